@@ -1,0 +1,189 @@
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
+
+use super::CudaResultExt;
+use crate::kernels::PtxModule;
+use crate::{Error, Result};
+
+/// Whether a CUDA driver and at least one device are present. Never panics.
+pub fn is_available() -> bool {
+    device_count().is_ok_and(|n| n > 0)
+}
+
+/// The number of CUDA devices, or [`Error::CudaUnavailable`] when the driver library
+/// cannot be loaded or initialised. Never panics.
+pub fn device_count() -> Result<usize> {
+    static COUNT: OnceLock<Result<usize>> = OnceLock::new();
+    COUNT
+        .get_or_init(|| {
+            // SAFETY: `is_culib_present` only tries to dlopen the driver library's
+            // candidate file names and drops any handle it opens.
+            if !unsafe { cudarc::driver::sys::is_culib_present() } {
+                return Err(Error::CudaUnavailable {
+                    reason: "the CUDA driver library (libcuda.so) could not be loaded".into(),
+                });
+            }
+            cudarc::driver::result::init().map_err(|e| Error::CudaUnavailable {
+                reason: format!("cuInit failed: {e}"),
+            })?;
+            let n = CudaContext::device_count().map_err(|e| Error::CudaUnavailable {
+                reason: format!("cuDeviceGetCount failed: {e}"),
+            })?;
+            Ok(usize::try_from(n).unwrap_or(0))
+        })
+        .clone()
+}
+
+/// The process-wide handle of CUDA device `ordinal`, created on first use.
+///
+/// Fails with [`Error::CudaUnavailable`] without a driver and with
+/// [`Error::InvalidArgument`] for an ordinal past the device count.
+pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
+    static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
+    let count = device_count()?;
+    if ordinal >= count {
+        return Err(Error::invalid(
+            "cuda::device",
+            format!("CUDA device {ordinal} requested but this machine has {count}"),
+        ));
+    }
+    let mut devices = DEVICES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(d) = devices.get(&ordinal) {
+        return Ok(d.clone());
+    }
+    let d = Arc::new(CudaDevice::open(ordinal)?);
+    devices.insert(ordinal, d.clone());
+    Ok(d)
+}
+
+/// One CUDA device as tessera uses it: its primary context, the tessera stream (see
+/// the [module docs](super)), and the PTX modules loaded on it.
+pub struct CudaDevice {
+    ordinal: usize,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    name: String,
+    compute_capability: (i32, i32),
+    multiprocessors: u32,
+    max_threads_per_multiprocessor: u32,
+}
+
+impl CudaDevice {
+    fn open(ordinal: usize) -> Result<Self> {
+        let ctx = CudaContext::new(ordinal).cuda_op("CudaContext::new")?;
+        // SAFETY: this context object is private to tessera and has made no allocation
+        // yet. All of tessera's work on it goes to the one stream created below, in
+        // program order (the stream invariant of the module docs), so no buffer needs
+        // events to order its uses.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().cuda_op("cuStreamCreate")?;
+        let attr = |a| ctx.attribute(a).cuda_op("cuDeviceGetAttribute");
+        let multiprocessors =
+            attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        let max_threads_per_multiprocessor =
+            attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)? as u32;
+        Ok(CudaDevice {
+            ordinal,
+            name: ctx.name().cuda_op("cuDeviceGetName")?,
+            compute_capability: ctx.compute_capability().cuda_op("cuDeviceGetAttribute")?,
+            ctx,
+            stream,
+            modules: Mutex::new(HashMap::new()),
+            multiprocessors,
+            max_threads_per_multiprocessor,
+        })
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The driver context (the device's primary context).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The tessera stream of this device.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The device's name, e.g. `"NVIDIA H200"`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `(major, minor)` compute capability.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.compute_capability
+    }
+
+    /// Number of streaming multiprocessors.
+    pub fn multiprocessors(&self) -> u32 {
+        self.multiprocessors
+    }
+
+    /// Resident threads per multiprocessor.
+    pub fn max_threads_per_multiprocessor(&self) -> u32 {
+        self.max_threads_per_multiprocessor
+    }
+
+    /// Kernel `function` of `module`, loading the module on first use.
+    pub fn function(&self, module: &PtxModule, function: &str) -> Result<CudaFunction> {
+        let m = {
+            let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+            match modules.get(module.name) {
+                Some(m) => m.clone(),
+                None => {
+                    let m = self
+                        .ctx
+                        .load_module(cudarc::nvrtc::Ptx::from_src(module.ptx))
+                        .map_err(|e| Error::Cuda {
+                            op: "cuModuleLoadData",
+                            msg: format!("loading PTX module `{}`: {e}", module.name),
+                        })?;
+                    modules.insert(module.name, m.clone());
+                    m
+                }
+            }
+        };
+        m.load_function(function).map_err(|e| Error::Cuda {
+            op: "cuModuleGetFunction",
+            msg: format!("kernel `{function}` in module `{}`: {e}", module.name),
+        })
+    }
+
+    /// Waits for all work queued on the tessera stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().cuda_op("cuStreamSynchronize")
+    }
+
+    /// An allocation of `bytes` bytes on the tessera stream, contents unspecified.
+    ///
+    /// Zero-byte requests allocate one byte, so a buffer always has a valid address.
+    pub fn alloc_bytes(&self, bytes: usize) -> Result<CudaSlice<u8>> {
+        // SAFETY: the memory is handed out as plain bytes, for which every bit pattern
+        // is a valid value; callers that care about contents write before they read.
+        unsafe { self.stream.alloc::<u8>(bytes.max(1)) }.cuda_op("cuMemAllocAsync")
+    }
+}
+
+impl fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ordinal)
+            .field("name", &self.name)
+            .field("compute_capability", &self.compute_capability)
+            .field("multiprocessors", &self.multiprocessors)
+            .finish()
+    }
+}
