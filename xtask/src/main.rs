@@ -1,1 +1,124 @@
-fn main(){}
+//! `cargo xtask`: the project's automation.
+//!
+//! - `ptx`: compile every `crates/*/kernels/*.cu` with nvcc into the committed
+//!   `kernels/ptx/*.ptx`, each headed by its source's hash.
+//! - `test-gpu`: run the GPU tests (the `#[ignore]`d ones), or with `--bundle DIR` build
+//!   them into a directory that runs on a GPU machine without cargo.
+//! - `bench-gpu`: run the GPU benchmarks (table + JSON), or bundle them likewise.
+//! - `ci`: what `.ci/run` runs.
+
+mod bundle;
+mod ptx;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "tessera's project automation")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Compile crates/*/kernels/*.cu to committed PTX (needs nvcc: $NVCC, PATH,
+    /// $CUDA_HOME/bin or /usr/local/cuda/bin).
+    Ptx {
+        /// Also print ptxas's resource report (registers, spills) for sm_90.
+        #[arg(long)]
+        resources: bool,
+        /// Write the PTX under this directory (mirroring crates/) instead of in place.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Run the GPU tests (the ignored ones) with the `cuda` features.
+    TestGpu {
+        /// Instead of running, build stripped release test binaries and a `run-tests.sh`
+        /// into DIR, for a machine with a GPU and no cargo.
+        #[arg(long, value_name = "DIR")]
+        bundle: Option<PathBuf>,
+    },
+    /// Run the GPU benchmarks: a table on stdout and JSON per crate.
+    BenchGpu {
+        /// Instead of running, build the benchmark binaries and a `run-bench.sh` into DIR.
+        #[arg(long, value_name = "DIR")]
+        bundle: Option<PathBuf>,
+        /// Directory for the JSON results.
+        #[arg(long, default_value = "target/bench-gpu")]
+        json_dir: PathBuf,
+    },
+    /// fmt check, clippy -D warnings, the tests, and builds with and without `cuda`.
+    Ci,
+}
+
+fn main() -> Result<()> {
+    let root = workspace_root();
+    match Cli::parse().cmd {
+        Cmd::Ptx { resources, out } => ptx::run(&root, resources, out.as_deref()),
+        Cmd::TestGpu { bundle: Some(dir) } => bundle::tests(&root, &dir),
+        Cmd::TestGpu { bundle: None } => {
+            let mut c = cargo(&root);
+            c.args(["test", "--workspace", "--all-features", "--release", "--"])
+                .args(["--ignored", "--test-threads=1"]);
+            run(c)
+        }
+        Cmd::BenchGpu {
+            bundle: Some(dir), ..
+        } => bundle::benches(&root, &dir),
+        Cmd::BenchGpu {
+            bundle: None,
+            json_dir,
+        } => {
+            std::fs::create_dir_all(&json_dir)?;
+            for (package, bench) in bundle::GPU_BENCHES {
+                let json = json_dir.join(format!("{package}.json"));
+                let mut c = cargo(&root);
+                c.args([
+                    "bench",
+                    "--package",
+                    package,
+                    "--bench",
+                    bench,
+                    "--features",
+                    "cuda",
+                ])
+                .arg("--")
+                .arg("--json")
+                .arg(&json);
+                run(c)?;
+            }
+            Ok(())
+        }
+        Cmd::Ci => {
+            let mut c = Command::new(root.join(".ci/run"));
+            c.current_dir(&root);
+            run(c)
+        }
+    }
+}
+
+/// The workspace root: the parent of this crate's manifest directory.
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
+
+fn cargo(root: &Path) -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root);
+    c
+}
+
+fn run(mut c: Command) -> Result<()> {
+    let status = c.status().with_context(|| format!("spawning {c:?}"))?;
+    if !status.success() {
+        bail!("{c:?} failed with {status}");
+    }
+    Ok(())
+}

@@ -1,0 +1,94 @@
+//! `cargo xtask ptx`: CUDA sources to committed PTX.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+/// nvcc flags shared by the PTX build and the resource report. No fast-math: the
+/// kernels must round exactly like the CPU reference.
+const NVCC_FLAGS: &[&str] = &["-arch=sm_90", "-std=c++17", "-O3"];
+
+pub(crate) fn run(root: &Path, resources: bool, out: Option<&Path>) -> Result<()> {
+    let nvcc = find_nvcc()?;
+    let sources = kernel_sources(root)?;
+    if sources.is_empty() {
+        bail!("no crates/*/kernels/*.cu files under {}", root.display());
+    }
+    for cu in sources {
+        let source = std::fs::read_to_string(&cu)?;
+        let rel = cu.strip_prefix(root).unwrap_or(&cu);
+        let kernels_dir = rel.parent().expect("a kernels/ directory");
+        let stem = cu.file_stem().expect("a file name").to_string_lossy();
+        let dest_dir = out.unwrap_or(root).join(kernels_dir).join("ptx");
+        std::fs::create_dir_all(&dest_dir)?;
+        let dest = dest_dir.join(format!("{stem}.ptx"));
+        let tmp = dest.with_extension("ptx.tmp");
+        let status = Command::new(&nvcc)
+            .args(NVCC_FLAGS)
+            .arg("-ptx")
+            .arg(&cu)
+            .arg("-o")
+            .arg(&tmp)
+            .status()
+            .with_context(|| format!("running {}", nvcc.display()))?;
+        if !status.success() {
+            bail!("nvcc failed on {}", rel.display());
+        }
+        let body = std::fs::read_to_string(&tmp)?;
+        std::fs::remove_file(&tmp)?;
+        let header = tessera_core::kernels::ptx_header(&source);
+        std::fs::write(&dest, format!("{header}\n{body}"))?;
+        println!("{} -> {}", rel.display(), dest.display());
+        if resources {
+            let cubin = std::env::temp_dir().join(format!("tessera-{stem}.cubin"));
+            let status = Command::new(&nvcc)
+                .args(NVCC_FLAGS)
+                .args(["-cubin", "-Xptxas", "-v"])
+                .arg(&cu)
+                .arg("-o")
+                .arg(&cubin)
+                .status()?;
+            if !status.success() {
+                bail!("nvcc -cubin failed on {}", rel.display());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every `crates/*/kernels/*.cu`, sorted.
+fn kernel_sources(root: &Path) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for krate in std::fs::read_dir(root.join("crates"))? {
+        let dir = krate?.path().join("kernels");
+        if !dir.is_dir() {
+            continue;
+        }
+        for f in std::fs::read_dir(&dir)? {
+            let f = f?.path();
+            if f.extension().is_some_and(|e| e == "cu") {
+                out.push(f);
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+fn find_nvcc() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("NVCC") {
+        return Ok(p.into());
+    }
+    let mut candidates: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).map(|d| d.join("nvcc")).collect())
+        .unwrap_or_default();
+    if let Some(home) = std::env::var_os("CUDA_HOME") {
+        candidates.push(PathBuf::from(home).join("bin/nvcc"));
+    }
+    candidates.push("/usr/local/cuda/bin/nvcc".into());
+    candidates
+        .into_iter()
+        .find(|p| p.is_file())
+        .context("nvcc not found: set NVCC, put it on PATH, or set CUDA_HOME")
+}
