@@ -68,7 +68,10 @@ pub(crate) fn benches(root: &Path, dir: &Path) -> Result<()> {
     let names = install(&bins, &dir.join("bin"))?;
     let anchor = root.join("../shared/bench/torch_anchor.py");
     if anchor.is_file() {
-        std::fs::copy(&anchor, dir.join("torch_anchor.py"))?;
+        let dest = dir.join("torch_anchor.py");
+        // The shared copy is read-only, and so is a previous bundle's.
+        let _ = std::fs::remove_file(&dest);
+        std::fs::copy(&anchor, &dest)?;
     }
     let mut script = String::from(
         "#!/usr/bin/env bash\n# Runs every bundled GPU benchmark; JSON goes to $1 (default .).\n\

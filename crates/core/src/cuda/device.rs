@@ -63,13 +63,20 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
     Ok(d)
 }
 
+/// Loaded modules by name, and the functions already looked up in them.
+#[derive(Default)]
+struct Modules {
+    modules: HashMap<&'static str, Arc<CudaModule>>,
+    functions: HashMap<&'static str, HashMap<String, CudaFunction>>,
+}
+
 /// One CUDA device as tessera uses it: its primary context, the tessera stream (see
 /// the [module docs](super)), and the PTX modules loaded on it.
 pub struct CudaDevice {
     ordinal: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    modules: Mutex<Modules>,
     name: String,
     compute_capability: (i32, i32),
     multiprocessors: u32,
@@ -96,7 +103,7 @@ impl CudaDevice {
             compute_capability: ctx.compute_capability().cuda_op("cuDeviceGetAttribute")?,
             ctx,
             stream,
-            modules: Mutex::new(HashMap::new()),
+            modules: Mutex::new(Modules::default()),
             multiprocessors,
             max_threads_per_multiprocessor,
         })
@@ -137,29 +144,41 @@ impl CudaDevice {
         self.max_threads_per_multiprocessor
     }
 
-    /// Kernel `function` of `module`, loading the module on first use.
+    /// Kernel `function` of `module`, loading the module on first use and caching the
+    /// function handle, so a launch costs one map lookup.
     pub fn function(&self, module: &PtxModule, function: &str) -> Result<CudaFunction> {
-        let m = {
-            let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
-            match modules.get(module.name) {
-                Some(m) => m.clone(),
-                None => {
-                    let m = self
-                        .ctx
-                        .load_module(cudarc::nvrtc::Ptx::from_src(module.ptx))
-                        .map_err(|e| Error::Cuda {
-                            op: "cuModuleLoadData",
-                            msg: format!("loading PTX module `{}`: {e}", module.name),
-                        })?;
-                    modules.insert(module.name, m.clone());
-                    m
-                }
+        let mut cache = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = cache
+            .functions
+            .get(module.name)
+            .and_then(|m| m.get(function))
+        {
+            return Ok(f.clone());
+        }
+        let m = match cache.modules.get(module.name) {
+            Some(m) => m.clone(),
+            None => {
+                let m = self
+                    .ctx
+                    .load_module(cudarc::nvrtc::Ptx::from_src(module.ptx))
+                    .map_err(|e| Error::Cuda {
+                        op: "cuModuleLoadData",
+                        msg: format!("loading PTX module `{}`: {e}", module.name),
+                    })?;
+                cache.modules.insert(module.name, m.clone());
+                m
             }
         };
-        m.load_function(function).map_err(|e| Error::Cuda {
+        let f = m.load_function(function).map_err(|e| Error::Cuda {
             op: "cuModuleGetFunction",
             msg: format!("kernel `{function}` in module `{}`: {e}", module.name),
-        })
+        })?;
+        cache
+            .functions
+            .entry(module.name)
+            .or_default()
+            .insert(function.to_owned(), f.clone());
+        Ok(f)
     }
 
     /// Waits for all work queued on the tessera stream.

@@ -3,7 +3,7 @@
 //!
 //! cudarc loads the driver at run time and panics when the library is missing; every
 //! entry point here first asks whether the library exists and turns its absence into
-//! [`Error::CudaUnavailable`](crate::Error::CudaUnavailable), so the same binary runs
+//! [`Error::CudaUnavailable`], so the same binary runs
 //! its CPU paths on a machine without CUDA.
 //!
 //! # The stream invariant
