@@ -123,8 +123,11 @@ fn build(mut c: Command, keep: impl Fn(&serde_json::Value) -> bool) -> Result<Ve
     Ok(exes)
 }
 
-/// Copies the executables into `bin` under their file names, returns those names.
+/// Copies the executables into a fresh `bin` under their file names, returns the names.
 fn install(exes: &[PathBuf], bin: &Path) -> Result<Vec<String>> {
+    if bin.exists() {
+        std::fs::remove_dir_all(bin)?; // binaries of an earlier build
+    }
     std::fs::create_dir_all(bin)?;
     let mut names = Vec::new();
     for exe in exes {

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
-use tessera_core::cuda::{CudaDevice, CudaResultExt, grid_1d};
+use tessera_core::cuda::{CudaDevice, CudaResultExt, grid_1d, grid_1d_cover};
 use tessera_core::kernels::PtxModule;
 use tessera_core::{DType, Device, Error, Result, Tensor};
 
@@ -105,7 +105,8 @@ pub(crate) fn dropout(
         other => return Err(Error::dtype("dropout", "f32, bf16 or f16", other)),
     };
     let f = dev.function(&PTX, &draw.kernel(base))?;
-    let cfg = grid_1d(&dev, n.div_ceil(per_thread) as usize, BLOCK)?;
+    // One thread per whole step, plus one for the tail (the kernel has no loop).
+    let cfg = grid_1d_cover((n / per_thread + 1) as usize, BLOCK)?;
     let scale = dropout_scale(p);
     let out = out.cuda_slice_mut()?;
     let mask = mask.cuda_slice_mut()?;

@@ -211,12 +211,14 @@ fn normals_are_within_the_documented_tolerance() {
                     g.is_finite() && err <= bound,
                     "normal {i} of n {n} seed {seed:#x}: cpu {w} gpu {g}"
                 );
-                worst = worst.max(err / (std * z.abs().max(1.0)));
+                if (mean, std) == (0.0, 1.0) {
+                    worst = worst.max(err / z.abs().max(1.0));
+                }
             }
         }
     }
     println!(
-        "largest normal difference: {:.2} ulp(max(|z|, 1))",
+        "largest standard-normal difference: {:.2} eps * max(|z|, 1)",
         worst / f32::EPSILON
     );
 }

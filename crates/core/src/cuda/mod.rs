@@ -23,7 +23,7 @@ mod timer;
 pub use cudarc;
 pub use device::{CudaDevice, device, device_count, is_available};
 pub use graph::Graph;
-pub use launch::{LaunchConfig, grid_1d};
+pub use launch::{LaunchConfig, grid_1d, grid_1d_cover};
 pub use timer::EventTimer;
 
 use crate::{Error, Result};
