@@ -1,0 +1,579 @@
+//! FP8 with one scale per tensor: delayed scaling (scale from an amax history) and
+//! current scaling (scale from this tensor's amax) — `spec/formats.md` §3.
+//!
+//! Buffers: `data` (the input shape, FP8 bytes), `scale_inv` (`f32 [1]`, shared by both
+//! orientations) and `columnwise_data` (`[K, d0, ..., d_{n-2}]`, the transposed bytes —
+//! Hopper needs TN GEMMs, so the transpose exists whenever columnwise usage is asked for).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use rayon::prelude::*;
+use tessera_core::{DType, Device, Error, Replay, Result, Shape, Snapshot, Tensor};
+
+use crate::layout::transpose;
+use crate::scale::{amax_par, compute_scale_from_amax, reciprocal};
+use crate::values::{check_input, to_f32, transposed_shape};
+use crate::{
+    AmaxReduction, BufferName, BufferSpec, Fp8Format, Kind, QuantizedTensor, Quantizer, Usage,
+};
+
+/// `q = sat_rne_fp8(x · scale)` for every element (reference for the CUDA cast).
+pub fn cast(x: &[f32], scale: f32, format: Fp8Format) -> Vec<u8> {
+    x.par_iter()
+        .with_min_len(4096)
+        .map(|&v| format.encode(v * scale))
+        .collect()
+}
+
+/// Buffer layout of a per-tensor FP8 tensor of logical `shape`.
+pub(crate) fn buffer_specs(format: Fp8Format, shape: &Shape) -> Vec<BufferSpec> {
+    vec![
+        BufferSpec {
+            name: BufferName::Data,
+            dtype: format.dtype(),
+            shape: shape.clone(),
+        },
+        BufferSpec {
+            name: BufferName::ScaleInv,
+            dtype: DType::F32,
+            shape: Shape::new([1]),
+        },
+        BufferSpec {
+            name: BufferName::ColumnwiseData,
+            dtype: format.dtype(),
+            shape: transposed_shape(shape),
+        },
+    ]
+}
+
+/// Quantizes `x` with `scale`, producing the buffers `usage` asks for.
+fn quantize_with_scale(
+    op: &'static str,
+    x: &Tensor,
+    scale: f32,
+    format: Fp8Format,
+    usage: Usage,
+) -> Result<(QuantizedTensor, f32)> {
+    let (m, k) = check_input(op, x)?;
+    let v = to_f32(op, x)?;
+    let amax = amax_par(&v);
+    let q = cast(&v, scale, format);
+    let mut buffers = BTreeMap::new();
+    if usage.columnwise() {
+        let t = transpose(&q, m, k);
+        buffers.insert(
+            BufferName::ColumnwiseData,
+            Tensor::from_bytes(&t, transposed_shape(x.shape()), format.dtype(), Device::Cpu)?,
+        );
+    }
+    if usage.rowwise() {
+        buffers.insert(
+            BufferName::Data,
+            Tensor::from_bytes(&q, x.shape(), format.dtype(), Device::Cpu)?,
+        );
+    }
+    buffers.insert(
+        BufferName::ScaleInv,
+        Tensor::from_slice(&[reciprocal(scale)], [1], Device::Cpu)?,
+    );
+    let qt = QuantizedTensor {
+        kind: Kind::Fp8 { format },
+        shape: x.shape().clone(),
+        source_dtype: x.dtype(),
+        buffers,
+    };
+    Ok((qt, amax))
+}
+
+/// FP8 current scaling (TE's `Float8CurrentScalingQuantizer`): each call computes the
+/// tensor's NaN-ignoring amax, optionally all-reduces it (MAX) over a group, and casts
+/// with `scale = compute_scale_from_amax(amax)` (`FLT_MAX` for an overflowing scale).
+#[derive(Clone)]
+pub struct Fp8CurrentScaling {
+    format: Fp8Format,
+    usage: Usage,
+    pow2_scales: bool,
+    amax_epsilon: f32,
+    reduction: Option<Arc<dyn AmaxReduction>>,
+}
+
+impl Fp8CurrentScaling {
+    /// TE's defaults: both usages, float32 scales, epsilon 0, no amax reduction.
+    pub fn new(format: Fp8Format) -> Self {
+        Fp8CurrentScaling {
+            format,
+            usage: Usage::Both,
+            pow2_scales: false,
+            amax_epsilon: 0.0,
+            reduction: None,
+        }
+    }
+
+    /// Round scales down to powers of two.
+    pub fn with_pow2_scales(mut self, pow2: bool) -> Self {
+        self.pow2_scales = pow2;
+        self
+    }
+
+    /// Floor the amax at `eps` before computing the scale.
+    pub fn with_amax_epsilon(mut self, eps: f32) -> Self {
+        self.amax_epsilon = eps;
+        self
+    }
+
+    /// The usages to produce.
+    pub fn with_usage(mut self, usage: Usage) -> Self {
+        self.usage = usage;
+        self
+    }
+
+    /// All-reduce (MAX) the amax over a group before computing the scale, so every rank
+    /// quantizes with the same scale (needed for sequence-parallel gathers).
+    pub fn with_amax_reduction(mut self, reduction: Arc<dyn AmaxReduction>) -> Self {
+        self.reduction = Some(reduction);
+        self
+    }
+
+    /// The scale `x` would be quantized with (after the amax reduction).
+    pub fn scale_for(&self, x: &Tensor) -> Result<f32> {
+        const OP: &str = "Fp8CurrentScaling::quantize";
+        check_input(OP, x)?;
+        let mut amax = amax_par(&to_f32(OP, x)?);
+        if let Some(r) = &self.reduction {
+            amax = r.all_reduce_max(amax)?;
+        }
+        Ok(compute_scale_from_amax(
+            amax,
+            self.format.max(),
+            self.pow2_scales,
+            self.amax_epsilon,
+            f32::MAX,
+        ))
+    }
+}
+
+impl fmt::Debug for Fp8CurrentScaling {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Fp8CurrentScaling")
+            .field("format", &self.format)
+            .field("usage", &self.usage)
+            .field("pow2_scales", &self.pow2_scales)
+            .field("amax_epsilon", &self.amax_epsilon)
+            .field("amax_reduction", &self.reduction.is_some())
+            .finish()
+    }
+}
+
+impl Quantizer for Fp8CurrentScaling {
+    fn kind(&self) -> Kind {
+        Kind::Fp8 {
+            format: self.format,
+        }
+    }
+    fn usage(&self) -> Usage {
+        self.usage
+    }
+    fn set_usage(&mut self, usage: Usage) {
+        self.usage = usage;
+    }
+    fn check_shape(&self, shape: &Shape) -> Result<()> {
+        check_rank("Fp8CurrentScaling", shape)
+    }
+    fn is_quantizable(&self, shape: &Shape) -> bool {
+        shape.rank() >= 1
+    }
+    fn make_empty(&self, shape: &Shape, dtype: DType, device: Device) -> Result<QuantizedTensor> {
+        self.check_shape(shape)?;
+        crate::make_empty_from_specs(self.kind(), self.usage, shape, dtype, device)
+    }
+    fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
+        let scale = self.scale_for(x)?;
+        Ok(quantize_with_scale(
+            "Fp8CurrentScaling::quantize",
+            x,
+            scale,
+            self.format,
+            self.usage,
+        )?
+        .0)
+    }
+}
+
+fn check_rank(op: &'static str, shape: &Shape) -> Result<()> {
+    if shape.rank() == 0 {
+        return Err(Error::shape(
+            op,
+            "cannot quantize a rank-0 tensor; reshape it to [1]",
+        ));
+    }
+    Ok(())
+}
+
+/// How delayed scaling turns the amax history into one amax.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AmaxComputeAlgo {
+    /// The maximum over the whole history (TE's default).
+    #[default]
+    Max,
+    /// The newest amax only.
+    MostRecent,
+}
+
+/// The state of one delayed-scaling quantizer: its amax history (slot 0 collects the
+/// amax of the casts since the last update) and its current scale.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DelayedScalingState {
+    history: Vec<f32>,
+    scale: f32,
+}
+
+impl DelayedScalingState {
+    /// History of `len` zeros (TE's default length is 1024) and scale 1.
+    pub fn new(len: usize) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::invalid(
+                "DelayedScalingState::new",
+                "the amax history needs at least one entry",
+            ));
+        }
+        Ok(DelayedScalingState {
+            history: vec![0.0; len],
+            scale: 1.0,
+        })
+    }
+
+    /// The amax history, slot 0 first.
+    pub fn history(&self) -> &[f32] {
+        &self.history
+    }
+
+    /// The current scale.
+    pub fn scale(&self) -> f32 {
+        self.scale
+    }
+
+    /// Records a cast's amax into slot 0 (NaN-ignoring max, as the kernel's atomic max).
+    pub fn record_amax(&mut self, amax: f32) {
+        self.history[0] = self.history[0].max(amax);
+    }
+
+    /// TE's fused amax-and-scale update (`kernel_bulk` in `delayed_scaling.cu`), run
+    /// after the amax reduction. `reduced_amax` is the all-reduced newest amax, if any
+    /// (0 means "not reduced"):
+    ///
+    /// 1. `last` = the reduced amax if non-zero, else `history[0]`;
+    /// 2. `last == 0`: nothing changes (the history is not rolled);
+    /// 3. otherwise `amax` = max of `history[1..]` and `last` (`Max`) or `last`
+    ///    (`MostRecent`), and the history rolls left with `last` at the end and slot 0
+    ///    cleared;
+    /// 4. `scale = fp8_max · 2^-margin / amax` when `amax` is finite and positive
+    ///    (`FLT_MAX` if that overflows); otherwise the scale is kept.
+    pub fn update(
+        &mut self,
+        reduced_amax: Option<f32>,
+        format: Fp8Format,
+        margin: i32,
+        algo: AmaxComputeAlgo,
+    ) {
+        let last = match reduced_amax {
+            Some(r) if r != 0.0 => r,
+            _ => self.history[0],
+        };
+        if last == 0.0 {
+            return;
+        }
+        let l = self.history.len();
+        let amax = match algo {
+            AmaxComputeAlgo::Max => self.history[1..].iter().fold(last, |a, &h| a.max(h)),
+            AmaxComputeAlgo::MostRecent => last,
+        };
+        self.history.rotate_left(1);
+        self.history[l - 1] = last;
+        self.history[0] = 0.0;
+        let scaled_max = format.max() * 2f32.powi(-margin);
+        if amax.is_finite() && amax > 0.0 {
+            let s = scaled_max / amax;
+            self.scale = if s == f32::INFINITY { f32::MAX } else { s };
+        }
+    }
+}
+
+const DELAYED_KIND: &str = "DelayedScalingState";
+
+impl Replay for DelayedScalingState {
+    fn snapshot(&self) -> Snapshot {
+        Snapshot::new(DELAYED_KIND, self.clone())
+    }
+    fn restore(&mut self, snapshot: &Snapshot) -> Result<()> {
+        *self = snapshot.get::<DelayedScalingState>(DELAYED_KIND)?.clone();
+        Ok(())
+    }
+}
+
+/// FP8 delayed scaling (TE's `Float8Quantizer` under the `DelayedScaling` recipe): casts
+/// with the scale derived from earlier amaxes, and records this tensor's amax into the
+/// history; [`update`](Self::update) then computes the next scale.
+#[derive(Debug, Clone)]
+pub struct Fp8DelayedScaling {
+    format: Fp8Format,
+    usage: Usage,
+    margin: i32,
+    algo: AmaxComputeAlgo,
+    state: DelayedScalingState,
+    record: bool,
+}
+
+impl Fp8DelayedScaling {
+    /// TE's recipe defaults: history length `history_len` (TE: 1024), margin 0, `Max`,
+    /// both usages, scale 1.
+    pub fn new(format: Fp8Format, history_len: usize) -> Result<Self> {
+        Ok(Fp8DelayedScaling {
+            format,
+            usage: Usage::Both,
+            margin: 0,
+            algo: AmaxComputeAlgo::Max,
+            state: DelayedScalingState::new(history_len)?,
+            record: true,
+        })
+    }
+
+    /// The margin (scale divided by `2^margin`).
+    pub fn with_margin(mut self, margin: i32) -> Self {
+        self.margin = margin;
+        self
+    }
+
+    /// How the history is reduced to one amax.
+    pub fn with_algo(mut self, algo: AmaxComputeAlgo) -> Self {
+        self.algo = algo;
+        self
+    }
+
+    /// The usages to produce.
+    pub fn with_usage(mut self, usage: Usage) -> Self {
+        self.usage = usage;
+        self
+    }
+
+    /// Starts from a given scale (e.g. restored from a checkpoint).
+    pub fn with_scale(mut self, scale: f32) -> Result<Self> {
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(Error::invalid(
+                "Fp8DelayedScaling::with_scale",
+                format!("scale {scale} must be finite and positive"),
+            ));
+        }
+        self.state.scale = scale;
+        Ok(self)
+    }
+
+    /// The history and scale.
+    pub fn state(&self) -> &DelayedScalingState {
+        &self.state
+    }
+
+    /// The history and scale, for `Replay` registration.
+    pub fn state_mut(&mut self) -> &mut DelayedScalingState {
+        &mut self.state
+    }
+
+    /// Whether casts record their amax (turned off while recomputing a checkpointed
+    /// forward, so the history is not updated twice).
+    pub fn set_record_amax(&mut self, record: bool) {
+        self.record = record;
+    }
+
+    /// Runs the fused update with the newest amax after an optional all-reduce.
+    pub fn update(&mut self, reduced_amax: Option<f32>) {
+        self.state
+            .update(reduced_amax, self.format, self.margin, self.algo);
+    }
+}
+
+impl Quantizer for Fp8DelayedScaling {
+    fn kind(&self) -> Kind {
+        Kind::Fp8 {
+            format: self.format,
+        }
+    }
+    fn usage(&self) -> Usage {
+        self.usage
+    }
+    fn set_usage(&mut self, usage: Usage) {
+        self.usage = usage;
+    }
+    fn check_shape(&self, shape: &Shape) -> Result<()> {
+        check_rank("Fp8DelayedScaling", shape)
+    }
+    fn is_quantizable(&self, shape: &Shape) -> bool {
+        shape.rank() >= 1
+    }
+    fn make_empty(&self, shape: &Shape, dtype: DType, device: Device) -> Result<QuantizedTensor> {
+        self.check_shape(shape)?;
+        crate::make_empty_from_specs(self.kind(), self.usage, shape, dtype, device)
+    }
+    fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
+        let (qt, amax) = quantize_with_scale(
+            "Fp8DelayedScaling::quantize",
+            x,
+            self.state.scale,
+            self.format,
+            self.usage,
+        )?;
+        if self.record {
+            self.state.record_amax(amax);
+        }
+        Ok(qt)
+    }
+}
+
+/// Dequantized values of the rowwise (`columnwise == false`) or columnwise data, in the
+/// logical element order.
+pub(crate) fn dequantize(
+    qt: &QuantizedTensor,
+    format: Fp8Format,
+    columnwise: bool,
+) -> Result<Vec<f32>> {
+    let scale_inv = qt.buffers[&BufferName::ScaleInv].as_slice::<f32>()?[0];
+    let (m, k) = qt.shape.flat_2d();
+    let name = if columnwise {
+        BufferName::ColumnwiseData
+    } else {
+        BufferName::Data
+    };
+    let q = qt
+        .buffers
+        .get(&name)
+        .ok_or_else(|| missing(name))?
+        .as_bytes()?;
+    let v: Vec<f32> = q
+        .par_iter()
+        .with_min_len(4096)
+        .map(|&b| format.decode(b) * scale_inv)
+        .collect();
+    Ok(if columnwise { transpose(&v, k, m) } else { v })
+}
+
+pub(crate) fn missing(name: BufferName) -> Error {
+    Error::invalid("dequantize", format!("the tensor has no `{name}` buffer"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn current_scaling_worked_example() {
+        // spec §3.5
+        let x = Tensor::from_slice(&[1.0f32, -2.5, 0.1, 300.0], [2, 2], Device::Cpu).unwrap();
+        let q = Fp8CurrentScaling::new(Fp8Format::E4M3)
+            .quantize(&x)
+            .unwrap();
+        assert_eq!(
+            q.buffer(BufferName::Data).unwrap().as_bytes().unwrap(),
+            &[0x3C, 0xC7, 0x22, 0x7E]
+        );
+        assert_eq!(
+            q.buffer(BufferName::ColumnwiseData)
+                .unwrap()
+                .as_bytes()
+                .unwrap(),
+            &[0x3C, 0x22, 0xC7, 0x7E]
+        );
+        assert_eq!(
+            q.buffer(BufferName::ScaleInv)
+                .unwrap()
+                .as_slice::<f32>()
+                .unwrap()[0]
+                .to_bits(),
+            0x3F2B_6DB7
+        );
+        let q = Fp8CurrentScaling::new(Fp8Format::E4M3)
+            .with_pow2_scales(true)
+            .quantize(&x)
+            .unwrap();
+        assert_eq!(
+            q.buffer(BufferName::Data).unwrap().as_bytes().unwrap(),
+            &[0x38, 0xC2, 0x1D, 0x79]
+        );
+        let q = Fp8CurrentScaling::new(Fp8Format::E5M2)
+            .with_usage(Usage::Rowwise)
+            .quantize(&x)
+            .unwrap();
+        assert_eq!(
+            q.buffer(BufferName::Data).unwrap().as_bytes().unwrap(),
+            &[0x5A, 0xDF, 0x4D, 0x7B]
+        );
+        assert!(
+            (q.buffer(BufferName::ScaleInv)
+                .unwrap()
+                .as_slice::<f32>()
+                .unwrap()[0]
+                - 0.005_231_58)
+                .abs()
+                < 1e-8
+        );
+        assert!(q.buffer(BufferName::ColumnwiseData).is_none());
+    }
+
+    #[test]
+    fn delayed_scaling_update_worked_example() {
+        // spec §3.5: history [3, 2, 5] (3 newest), scale 1.
+        let mut s = DelayedScalingState {
+            history: vec![3.0, 2.0, 5.0],
+            scale: 1.0,
+        };
+        let mut t = s.clone();
+        s.update(None, Fp8Format::E4M3, 0, AmaxComputeAlgo::Max);
+        assert_eq!(s.history, [0.0, 5.0, 3.0]);
+        assert_eq!(s.scale, 89.6);
+        let mut u = t.clone();
+        t.update(None, Fp8Format::E4M3, 0, AmaxComputeAlgo::MostRecent);
+        assert_eq!(t.scale, 448.0 / 3.0);
+        u.update(None, Fp8Format::E4M3, 1, AmaxComputeAlgo::Max);
+        assert_eq!(u.scale, 44.8);
+        // A zero newest amax changes nothing.
+        let mut z = DelayedScalingState {
+            history: vec![0.0, 7.0],
+            scale: 2.0,
+        };
+        z.update(None, Fp8Format::E4M3, 0, AmaxComputeAlgo::Max);
+        assert_eq!((z.history.as_slice(), z.scale), (&[0.0, 7.0][..], 2.0));
+        // A reduced amax overrides slot 0; Inf keeps the scale but rolls.
+        let mut r = DelayedScalingState {
+            history: vec![1.0, 0.0],
+            scale: 2.0,
+        };
+        r.update(
+            Some(f32::INFINITY),
+            Fp8Format::E4M3,
+            0,
+            AmaxComputeAlgo::Max,
+        );
+        assert_eq!(
+            (r.history.as_slice(), r.scale),
+            (&[0.0, f32::INFINITY][..], 2.0)
+        );
+    }
+
+    #[test]
+    fn delayed_cast_saturates_and_records_amax() {
+        let x = Tensor::from_slice(&[600.0f32, -1e9, f32::NAN, f32::INFINITY], [4], Device::Cpu)
+            .unwrap();
+        let mut q = Fp8DelayedScaling::new(Fp8Format::E4M3, 4)
+            .unwrap()
+            .with_usage(Usage::Rowwise);
+        let t = q.quantize(&x).unwrap();
+        assert_eq!(
+            t.buffer(BufferName::Data).unwrap().as_bytes().unwrap(),
+            &[0x7E, 0xFE, 0x7F, 0x7E]
+        );
+        assert_eq!(q.state().history()[0], f32::INFINITY);
+        let snap = q.state().snapshot();
+        q.update(None);
+        q.state_mut().restore(&snap).unwrap();
+        assert_eq!(q.state().history()[0], f32::INFINITY);
+    }
+}

@@ -1,0 +1,212 @@
+//! Byte layouts shared by the formats and the collectives: padding, the cuBLAS
+//! GEMM-swizzled scale layout, transposes and `swap_first_dims` (`spec/formats.md`
+//! §4.5, §7).
+
+use rayon::prelude::*;
+use tessera_core::{Error, Result, Shape, Tensor};
+
+/// `x` rounded up to a multiple of `m`.
+#[inline]
+pub const fn roundup(x: usize, m: usize) -> usize {
+    x.div_ceil(m) * m
+}
+
+/// Where byte `(i, j)` of a compact scale grid with `cols` columns (padded: rows a
+/// multiple of 128, `cols` a multiple of 4) lives in cuBLAS's block-scaling layout
+/// (TE's `gemm_swizzled_scale_idx`): 128×4 tiles stored tile-row-major, 512 bytes each,
+/// and inside a tile byte `(i, j)` at `(i % 32)·16 + (i % 128 / 32)·4 + j % 4`.
+#[inline]
+pub const fn swizzled_index(i: usize, j: usize, cols: usize) -> usize {
+    let tile = (i / 128) * (cols / 4) + j / 4;
+    let r = i % 128;
+    tile * 512 + (r % 32) * 16 + (r / 32) * 4 + j % 4
+}
+
+fn check_swizzle_grid(op: &'static str, len: usize, rows: usize, cols: usize) -> Result<()> {
+    if !rows.is_multiple_of(128) || !cols.is_multiple_of(4) || rows * cols != len {
+        return Err(Error::shape(
+            op,
+            format!(
+                "a swizzled scale grid needs rows a multiple of 128 and columns a multiple of \
+                 4 covering the buffer; got {rows}x{cols} for {len} bytes"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The compact row-major grid `[rows, cols]` in the GEMM-swizzled layout.
+pub fn swizzle(compact: &[u8], rows: usize, cols: usize) -> Result<Vec<u8>> {
+    check_swizzle_grid("swizzle", compact.len(), rows, cols)?;
+    let mut out = vec![0u8; compact.len()];
+    for i in 0..rows {
+        for j in 0..cols {
+            out[swizzled_index(i, j, cols)] = compact[i * cols + j];
+        }
+    }
+    Ok(out)
+}
+
+/// The inverse of [`swizzle`].
+pub fn unswizzle(swizzled: &[u8], rows: usize, cols: usize) -> Result<Vec<u8>> {
+    check_swizzle_grid("unswizzle", swizzled.len(), rows, cols)?;
+    let mut out = vec![0u8; swizzled.len()];
+    for i in 0..rows {
+        for j in 0..cols {
+            out[i * cols + j] = swizzled[swizzled_index(i, j, cols)];
+        }
+    }
+    Ok(out)
+}
+
+/// The transpose of a row-major `[rows, cols]` matrix of `T` (`src.len()` must be
+/// `rows * cols`; checked by the callers, which derive both from one shape).
+pub fn transpose<T: Copy + Send + Sync>(src: &[T], rows: usize, cols: usize) -> Vec<T> {
+    debug_assert_eq!(src.len(), rows * cols);
+    let mut out = Vec::with_capacity(rows * cols);
+    out.par_extend(
+        (0..cols)
+            .into_par_iter()
+            .flat_map_iter(|c| (0..rows).map(move |r| src[r * cols + c])),
+    );
+    out
+}
+
+/// `swap_first_dims` on raw bytes (TE's `tex.swap_first_dims`): the input is
+/// `[d0, d1, inner]` bytes, the output `[d1, d0, inner]` with
+/// `out[i, j, :] = in[j, i, :]`.
+pub fn swap_first_dims_bytes(src: &[u8], d0: usize, d1: usize, inner: usize) -> Result<Vec<u8>> {
+    if d0 * d1 * inner != src.len() {
+        return Err(Error::shape(
+            "swap_first_dims",
+            format!(
+                "{} bytes cannot be viewed as [{d0}, {d1}, {inner}]",
+                src.len()
+            ),
+        ));
+    }
+    let mut out = vec![0u8; src.len()];
+    if inner == 0 {
+        return Ok(out);
+    }
+    out.par_chunks_mut(inner).enumerate().for_each(|(k, row)| {
+        let (i, j) = (k / d0, k % d0);
+        row.copy_from_slice(&src[(j * d1 + i) * inner..][..inner]);
+    });
+    Ok(out)
+}
+
+/// The all-gather fix-up of `distributed.py::_swap_first_dims(t, world)` on a host
+/// tensor: `t` of shape `[world·R, c...]` holds `world` rank blocks `[R, c...]`; the
+/// result is `[R, world·C]` (C = the product of the trailing dims), each row the
+/// concatenation of that row across ranks.
+pub fn swap_first_dims(t: &Tensor, world: usize) -> Result<Tensor> {
+    const OP: &str = "swap_first_dims";
+    let dims = t.shape().dims();
+    let Some(&d0) = dims.first() else {
+        return Err(Error::shape(OP, "a rank-0 tensor has no first dimension"));
+    };
+    if world == 0 || d0 % world != 0 {
+        return Err(Error::shape(
+            OP,
+            format!(
+                "first dimension {d0} of {} is not a multiple of the world size {world}",
+                t.shape()
+            ),
+        ));
+    }
+    let rows = d0 / world;
+    let trailing: usize = dims[1..].iter().product();
+    let inner = trailing * t.dtype().size_in_bytes();
+    let bytes = swap_first_dims_bytes(t.as_bytes()?, world, rows, inner)?;
+    Tensor::from_bytes(
+        &bytes,
+        Shape::new([rows, world * trailing]),
+        t.dtype(),
+        t.device(),
+    )
+}
+
+/// The valid top-left `[rows, cols]` region of a row-major `[total_rows, total_cols]`
+/// matrix of `elem`-byte elements (strips padding).
+pub fn strip_padding(
+    src: &[u8],
+    total_cols: usize,
+    rows: usize,
+    cols: usize,
+    elem: usize,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(rows * cols * elem);
+    for r in 0..rows {
+        out.extend_from_slice(&src[r * total_cols * elem..][..cols * elem]);
+    }
+    out
+}
+
+/// A `[rows, cols]` matrix placed top-left in a zero-padded `[total_rows, total_cols]` one.
+pub fn pad(
+    src: &[u8],
+    rows: usize,
+    cols: usize,
+    total_rows: usize,
+    total_cols: usize,
+    elem: usize,
+) -> Vec<u8> {
+    let mut out = vec![0u8; total_rows * total_cols * elem];
+    for r in 0..rows {
+        out[r * total_cols * elem..][..cols * elem]
+            .copy_from_slice(&src[r * cols * elem..][..cols * elem]);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn swizzle_is_a_permutation_and_inverts() {
+        let (rows, cols) = (256, 8);
+        let compact: Vec<u8> = (0..rows * cols).map(|i| (i * 7 % 251) as u8).collect();
+        let mut seen = vec![false; rows * cols];
+        for i in 0..rows {
+            for j in 0..cols {
+                let k = swizzled_index(i, j, cols);
+                assert!(!seen[k], "({i}, {j}) collides");
+                seen[k] = true;
+            }
+        }
+        let s = swizzle(&compact, rows, cols).unwrap();
+        assert_eq!(unswizzle(&s, rows, cols).unwrap(), compact);
+        // Spot values of the formula: row 33, column 5 of a 4-tile-wide grid.
+        assert_eq!(swizzled_index(33, 5, 16), 512 + 16 + 4 + 1);
+        assert!(swizzle(&compact[..100], 10, 10).is_err());
+    }
+
+    #[test]
+    fn swap_first_dims_matches_the_spec_example() {
+        // spec §7: world 2, per-rank [K=2, M_local=3], values 0..11.
+        let t = Tensor::from_slice(
+            &(0u8..12).collect::<Vec<_>>(),
+            [4, 3],
+            tessera_core::Device::Cpu,
+        )
+        .unwrap();
+        let s = swap_first_dims(&t, 2).unwrap();
+        assert_eq!(s.shape().dims(), &[2, 6]);
+        assert_eq!(
+            s.as_slice::<u8>().unwrap(),
+            &[0, 1, 2, 6, 7, 8, 3, 4, 5, 9, 10, 11]
+        );
+        assert!(swap_first_dims(&t, 3).is_err());
+    }
+
+    #[test]
+    fn padding_round_trip_and_transpose() {
+        let m: Vec<u8> = (0..6).collect();
+        let p = pad(&m, 2, 3, 4, 4, 1);
+        assert_eq!(p, [0, 1, 2, 0, 3, 4, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(strip_padding(&p, 4, 2, 3, 1), m);
+        assert_eq!(transpose(&m, 2, 3), [0, 3, 1, 4, 2, 5]);
+    }
+}

@@ -1,0 +1,209 @@
+//! Every TransformerEngine quantized tensor format, byte for byte, on the CPU.
+//!
+//! | quantizer | format | scales |
+//! |---|---|---|
+//! | [`Fp8CurrentScaling`], [`Fp8DelayedScaling`] | FP8 E4M3/E5M2 | one f32 per tensor |
+//! | [`Mxfp8Quantizer`] | FP8 | E8M0 per 1×32 (or 32×32), compact or GEMM-swizzled |
+//! | [`Nvfp4Quantizer`] | FP4 E2M1 | E4M3 per 1×16 (or 16×16) + f32 global amax; RHT, stochastic rounding |
+//! | [`Fp8BlockQuantizer`] | FP8 | f32 per 1×128 or 128×128 |
+//!
+//! `spec/formats.md` is the specification; each format's module documents its buffers.
+//! Every quantizer implements [`Quantizer`] (`quantize`, `make_empty`,
+//! `is_quantizable`, usage), producing a [`QuantizedTensor`] whose
+//! [`data_tensors`](QuantizedTensor::data_tensors) are plain [`Tensor`]s. Scale padding
+//! is written as zeros (TE leaves it undefined). [`wire`] describes how each buffer
+//! behaves under a first-dimension all-gather, for the collectives.
+//!
+//! The CPU reference is built from small public functions per step (casts in [`cast`],
+//! amax and scales in [`scale`], layouts in [`layout`], and each format's block
+//! quantizers), so the CUDA kernels can be checked against them one by one.
+//!
+//! ```
+//! use tessera_core::{DType, Device, Tensor};
+//! use tessera_quant::{BufferName, Fp8CurrentScaling, Fp8Format, Quantizer};
+//!
+//! # fn main() -> tessera_core::Result<()> {
+//! let x = Tensor::from_slice(&[1.0f32, -2.5, 0.1, 300.0], [2, 2], Device::Cpu)?;
+//! let q = Fp8CurrentScaling::new(Fp8Format::E4M3).quantize(&x)?;
+//! assert_eq!(q.buffer(BufferName::Data).unwrap().as_bytes()?, &[0x3C, 0xC7, 0x22, 0x7E]);
+//! let y = q.dequantize(DType::F32)?;
+//! assert_eq!(y.as_slice::<f32>()?, &[1.0044643, -2.5111609, 0.1046317, 300.0]);
+//! # Ok(())
+//! # }
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod block;
+pub mod cast;
+pub mod fp8;
+pub mod layout;
+pub mod mxfp8;
+pub mod nvfp4;
+pub mod scale;
+mod tensor;
+mod values;
+pub mod wire;
+
+use std::collections::BTreeMap;
+
+use tessera_core::{DType, Device, Error, Result, Shape, Tensor};
+
+pub use block::Fp8BlockQuantizer;
+pub use cast::Fp8Format;
+pub use fp8::{AmaxComputeAlgo, DelayedScalingState, Fp8CurrentScaling, Fp8DelayedScaling};
+pub use mxfp8::Mxfp8Quantizer;
+pub use nvfp4::Nvfp4Quantizer;
+pub use tensor::{BlockDim, BufferName, BufferSpec, Kind, QuantizedTensor, Usage};
+
+/// A quantizer: turns high-precision tensors into one [`Kind`] of [`QuantizedTensor`].
+pub trait Quantizer: Send {
+    /// The format and options of the tensors it makes.
+    fn kind(&self) -> Kind;
+
+    /// The orientations it produces.
+    fn usage(&self) -> Usage;
+
+    /// Changes the orientations it produces.
+    fn set_usage(&mut self, usage: Usage);
+
+    /// `Ok` when tensors of `shape` can be quantized at all; otherwise an
+    /// [`Error::Shape`] saying which dimension does not fit.
+    fn check_shape(&self, shape: &Shape) -> Result<()>;
+
+    /// Whether a tensor of `shape` can be all-gathered along its first dimension in this
+    /// format (TE's `is_quantizable`); if not, gathers fall back to high precision.
+    fn is_quantizable(&self, shape: &Shape) -> bool;
+
+    /// A zero-filled quantized tensor of logical `shape` on `device`, with the buffers
+    /// of this quantizer's usage; `dtype` is the high-precision type it stands for.
+    fn make_empty(&self, shape: &Shape, dtype: DType, device: Device) -> Result<QuantizedTensor>;
+
+    /// Quantizes a host f32/bf16/f16 tensor.
+    fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor>;
+}
+
+/// The hook per-tensor formats use to agree on one amax across a process group: the
+/// collectives crate implements it with a MAX all-reduce.
+pub trait AmaxReduction: Send + Sync {
+    /// The maximum of `amax` over every rank of the group.
+    fn all_reduce_max(&self, amax: f32) -> Result<f32>;
+}
+
+/// The buffers a tensor of `kind` and logical `shape` has (all usages).
+pub fn buffer_specs(kind: &Kind, shape: &Shape) -> Result<Vec<BufferSpec>> {
+    if shape.rank() == 0 {
+        return Err(Error::shape(
+            "buffer_specs",
+            "quantized tensors have rank 1 or more",
+        ));
+    }
+    let (m, k) = shape.flat_2d();
+    let need = |b: usize, what: &str| -> Result<()> {
+        if m % b != 0 || k % b != 0 {
+            return Err(Error::shape(
+                "buffer_specs",
+                format!(
+                    "{what} needs both flattened dimensions to be multiples of {b}; {shape} is [{m}, {k}]"
+                ),
+            ));
+        }
+        Ok(())
+    };
+    Ok(match *kind {
+        Kind::Fp8 { format } => fp8::buffer_specs(format, shape),
+        Kind::Mxfp8 { format, .. } => {
+            need(mxfp8::BLOCK, "MXFP8")?;
+            mxfp8::buffer_specs(format, shape)
+        }
+        Kind::Nvfp4 { .. } => {
+            need(nvfp4::BLOCK, "NVFP4")?;
+            nvfp4::buffer_specs(shape)
+        }
+        Kind::Fp8Block { format, block_dim } => block::buffer_specs(format, block_dim, shape),
+    })
+}
+
+/// Dequantized f32 values of one orientation of a host tensor, in logical order.
+pub(crate) fn dequantize_values(qt: &QuantizedTensor, usage: Usage) -> Result<Vec<f32>> {
+    let columnwise = match usage {
+        Usage::Rowwise => false,
+        Usage::Columnwise => true,
+        Usage::Both => {
+            return Err(Error::invalid(
+                "dequantize",
+                "choose one orientation: rowwise or columnwise",
+            ));
+        }
+    };
+    match qt.kind {
+        Kind::Fp8 { format } => fp8::dequantize(qt, format, columnwise),
+        Kind::Mxfp8 {
+            format, swizzled, ..
+        } => mxfp8::dequantize(qt, format, swizzled, columnwise),
+        Kind::Nvfp4 { rht, swizzled, .. } => nvfp4::dequantize(qt, rht, swizzled, columnwise),
+        Kind::Fp8Block { format, block_dim } => {
+            block::dequantize(qt, format, block_dim, columnwise)
+        }
+    }
+}
+
+/// Builds a host [`QuantizedTensor`] from raw buffer bytes, with the dtypes and shapes
+/// of `specs`.
+pub(crate) fn assemble(
+    kind: Kind,
+    x: &Tensor,
+    specs: &[BufferSpec],
+    bytes: BTreeMap<BufferName, Vec<u8>>,
+) -> Result<QuantizedTensor> {
+    let mut buffers = BTreeMap::new();
+    for (name, b) in bytes {
+        let spec = specs.iter().find(|s| s.name == name).ok_or_else(|| {
+            Error::invalid(
+                "assemble",
+                format!("{} has no `{name}` buffer", kind.name()),
+            )
+        })?;
+        buffers.insert(
+            name,
+            Tensor::from_bytes(&b, &spec.shape, spec.dtype, Device::Cpu)?,
+        );
+    }
+    Ok(QuantizedTensor {
+        kind,
+        shape: x.shape().clone(),
+        source_dtype: x.dtype(),
+        buffers,
+    })
+}
+
+/// Zero-filled buffers for `usage`.
+pub(crate) fn make_empty_from_specs(
+    kind: Kind,
+    usage: Usage,
+    shape: &Shape,
+    dtype: DType,
+    device: Device,
+) -> Result<QuantizedTensor> {
+    if !dtype.is_high_precision_float() {
+        return Err(Error::dtype("make_empty", "f32, bf16 or f16", dtype));
+    }
+    let mut buffers = BTreeMap::new();
+    for spec in buffer_specs(&kind, shape)? {
+        let wanted = match spec.name {
+            BufferName::Data | BufferName::ScaleInv | BufferName::Amax => usage.rowwise(),
+            _ => usage.columnwise(),
+        };
+        let wanted =
+            wanted || (matches!(kind, Kind::Fp8 { .. }) && spec.name == BufferName::ScaleInv);
+        if wanted {
+            buffers.insert(spec.name, Tensor::zeros(spec.shape, spec.dtype, device)?);
+        }
+    }
+    Ok(QuantizedTensor {
+        kind,
+        shape: shape.clone(),
+        source_dtype: dtype,
+        buffers,
+    })
+}

@@ -1,0 +1,602 @@
+//! NVFP4: E2M1 values with one E4M3 scale per 16 elements and a float32 global amax
+//! (`spec/formats.md` §5), with 1×16 or 16×16 blocks, the random Hadamard transform on
+//! the columnwise operand, and stochastic rounding from a tessera-rng Philox stream.
+//!
+//! Buffers (M, K multiples of 16): `data` (the input shape with the last dim halved, two
+//! codes per byte, element `2j` in the low nibble), `columnwise_data` `[K, M/2]` (the
+//! packed transpose, always 2-D), `scale_inv` E4M3 `[roundup(M,128), roundup(K/16,4)]`,
+//! `columnwise_scale_inv` E4M3 `[roundup(K,128), roundup(M/16,4)]`, and the global
+//! amaxes `amax`, `columnwise_amax` (`f32 [1]`).
+//!
+//! # Stochastic rounding
+//!
+//! With stochastic rounding on, each quantize call draws, from the quantizer's
+//! [`Generator`], `ceil(M·K/4)` words for the rowwise operand and then as many for the
+//! columnwise operand. Element `e` of an operand (row-major: `x` rowwise, the
+//! (transformed) `xᵀ` columnwise) rounds with byte `e % 4` (bits `8·(e%4)..`) of word
+//! `e / 4` (see [`encode_e2m1_stochastic`](crate::cast::encode_e2m1_stochastic)).
+//!
+//! # Random Hadamard transform
+//!
+//! Each run of 16 consecutive elements `v` of a row of `xᵀ` becomes `y = v·(diag(s)·H₁₆)/4`
+//! with the Sylvester Hadamard matrix `H₁₆` and TE's sign vector `s`, accumulated in
+//! float32 in index order (`y_j = Σ_t v_t·s_t·H[t][j]/4`, each product exact). TE computes
+//! the same sums on tensor cores, whose accumulation order is unspecified, so its bytes
+//! can differ from these in the last bit of a transformed value; tessera's CPU and CUDA
+//! paths agree with each other exactly.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use rayon::prelude::*;
+use tessera_core::{DType, Device, Error, Result, Shape, Tensor};
+use tessera_rng::Generator;
+
+use crate::cast::{decode_e2m1, decode_e4m3, encode_e2m1, encode_e2m1_stochastic, encode_e4m3};
+use crate::layout::{pad, roundup, swizzle, transpose, unswizzle};
+use crate::scale::{amax, amax_par};
+use crate::values::{check_input, to_f32};
+use crate::{AmaxReduction, BufferName, BufferSpec, Kind, QuantizedTensor, Quantizer, Usage};
+
+/// Elements per NVFP4 block.
+pub const BLOCK: usize = 16;
+
+/// TE's sign vector of the wgrad RHT (`get_wgrad_sign_vector`).
+pub const RHT_SIGNS: [f32; 16] = [
+    1.0, 1.0, 1.0, -1.0, 1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, 1.0, -1.0, 1.0, -1.0, -1.0,
+];
+
+/// `S_enc = min(fp32(2688 / A), FLT_MAX)`, or 1 when `A` is 0 or the quotient is 0
+/// (`A = inf`).
+pub fn global_encode_scale(a: f32) -> f32 {
+    if a == 0.0 {
+        return 1.0;
+    }
+    let s = (448.0f32 * 6.0) / a;
+    if s == 0.0 { 1.0 } else { s.min(f32::MAX) }
+}
+
+/// The E4M3 byte of a block's decode scale: `sat_e4m3(min(b · fp32(S_enc · fp32(1/6)),
+/// FLT_MAX))`.
+#[inline]
+pub fn block_scale(b: f32, s_enc: f32) -> u8 {
+    encode_e4m3((b * (s_enc * (1.0f32 / 6.0))).min(f32::MAX))
+}
+
+/// The block encode scale `min(fp32(1 / fp32(e4m3 · S_dec)), FLT_MAX)`.
+#[inline]
+pub fn block_encode_scale(e4m3: u8, s_dec: f32) -> f32 {
+    (1.0 / (decode_e4m3(e4m3) * s_dec)).min(f32::MAX)
+}
+
+/// `y = v·(diag(s)·H₁₆)/4`, accumulated in f32 in index order.
+pub fn rht16(v: &[f32]) -> [f32; 16] {
+    std::array::from_fn(|j| {
+        let mut acc = 0.0f32;
+        for (t, &x) in v.iter().enumerate().take(16) {
+            let h = if (t & j).count_ones() % 2 == 0 {
+                0.25
+            } else {
+                -0.25
+            };
+            acc += x * (RHT_SIGNS[t] * h);
+        }
+        acc
+    })
+}
+
+/// The inverse transform `v = y·(H₁₆·diag(s))/4`.
+pub fn inverse_rht16(y: &[f32]) -> [f32; 16] {
+    std::array::from_fn(|t| {
+        let mut acc = 0.0f32;
+        for (j, &x) in y.iter().enumerate().take(16) {
+            let h = if (t & j).count_ones() % 2 == 0 {
+                0.25
+            } else {
+                -0.25
+            };
+            acc += x * h;
+        }
+        acc * RHT_SIGNS[t]
+    })
+}
+
+/// Applies `f` to every run of 16 along the rows of a row-major `[rows, cols]` matrix.
+fn map_runs(v: &[f32], cols: usize, f: fn(&[f32]) -> [f32; 16]) -> Vec<f32> {
+    let mut out = vec![0.0f32; v.len()];
+    out.par_chunks_mut(cols.max(1))
+        .zip(v.par_chunks(cols.max(1)))
+        .for_each(|(o, x)| {
+            for (o, x) in o.chunks_mut(BLOCK).zip(x.chunks(BLOCK)) {
+                o.copy_from_slice(&f(x));
+            }
+        });
+    out
+}
+
+/// The per-block amaxes `[rows, cols/16]` of a `[rows, cols]` operand, 1×16 blocks.
+pub fn block_amax_1d(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let nb = cols / BLOCK;
+    let mut out = vec![0.0f32; rows * nb];
+    out.par_chunks_mut(nb.max(1))
+        .enumerate()
+        .for_each(|(r, o)| {
+            for (j, a) in o.iter_mut().enumerate() {
+                *a = amax(&v[r * cols + j * BLOCK..][..BLOCK]);
+            }
+        });
+    out
+}
+
+/// The 16×16 tile amaxes `[m/16, k/16]` of an `[m, k]` matrix.
+pub fn tile_amax(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    let (mb, kb) = (m / BLOCK, k / BLOCK);
+    let mut out = vec![0.0f32; mb * kb];
+    out.par_chunks_mut(kb.max(1))
+        .enumerate()
+        .for_each(|(i, o)| {
+            for (j, a) in o.iter_mut().enumerate() {
+                for r in 0..BLOCK {
+                    *a = a.max(amax(&x[(i * BLOCK + r) * k + j * BLOCK..][..BLOCK]));
+                }
+            }
+        });
+    out
+}
+
+/// Quantizes a `[rows, cols]` operand with global amax `a`, where block `(r, j)` has amax
+/// `block_amax[r·(cols/16) + j]`. Returns the packed codes `[rows, cols/2]` and the
+/// compact E4M3 scales `[rows, cols/16]`. `random` holds the operand's
+/// stochastic-rounding words.
+pub fn quantize_operand(
+    v: &[f32],
+    rows: usize,
+    cols: usize,
+    block_amax: &[f32],
+    a: f32,
+    random: Option<&[u32]>,
+) -> (Vec<u8>, Vec<u8>) {
+    let nb = cols / BLOCK;
+    let s_enc = global_encode_scale(a);
+    let s_dec = 1.0 / s_enc;
+    let mut codes = vec![0u8; rows * cols / 2];
+    let mut scales = vec![0u8; rows * nb];
+    codes
+        .par_chunks_mut((cols / 2).max(1))
+        .zip(scales.par_chunks_mut(nb.max(1)))
+        .enumerate()
+        .for_each(|(r, (crow, srow))| {
+            for j in 0..nb {
+                let e = block_scale(block_amax[r * nb + j], s_enc);
+                srow[j] = e;
+                let g = block_encode_scale(e, s_dec);
+                for p in 0..BLOCK / 2 {
+                    let c = j * BLOCK + 2 * p;
+                    let code = |c: usize| {
+                        let y = v[r * cols + c] * g;
+                        match random {
+                            Some(w) => {
+                                let e = r * cols + c;
+                                encode_e2m1_stochastic(y, (w[e / 4] >> (8 * (e % 4))) as u8)
+                            }
+                            None => encode_e2m1(y),
+                        }
+                    };
+                    crow[c / 2] = code(c) | code(c + 1) << 4;
+                }
+            }
+        });
+    (codes, scales)
+}
+
+/// Padded scale-buffer shapes `(rowwise, columnwise)` for an `[m, k]` matrix.
+pub fn scale_shapes(m: usize, k: usize) -> ([usize; 2], [usize; 2]) {
+    (
+        [roundup(m, 128), roundup(k / BLOCK, 4)],
+        [roundup(k, 128), roundup(m / BLOCK, 4)],
+    )
+}
+
+/// A scale buffer `[rows_padded, cols_padded]` from compact `[rows, cols]` scales.
+pub fn scale_buffer(
+    compact: &[u8],
+    rows: usize,
+    cols: usize,
+    padded: [usize; 2],
+    swizzled: bool,
+) -> Vec<u8> {
+    let p = pad(compact, rows, cols, padded[0], padded[1], 1);
+    if swizzled {
+        swizzle(&p, padded[0], padded[1]).expect("padded grid")
+    } else {
+        p
+    }
+}
+
+pub(crate) fn compact_scales(
+    buf: &[u8],
+    rows: usize,
+    cols: usize,
+    padded: [usize; 2],
+    swizzled: bool,
+) -> Result<Vec<u8>> {
+    let p = if swizzled {
+        unswizzle(buf, padded[0], padded[1])?
+    } else {
+        buf.to_vec()
+    };
+    Ok(crate::layout::strip_padding(&p, padded[1], rows, cols, 1))
+}
+
+/// The data shape of an NVFP4 tensor: `shape` with the last dimension halved.
+fn packed_shape(shape: &Shape) -> Shape {
+    let mut d = shape.dims().to_vec();
+    if let Some(last) = d.last_mut() {
+        *last /= 2;
+    }
+    Shape::new(d)
+}
+
+pub(crate) fn buffer_specs(shape: &Shape) -> Vec<BufferSpec> {
+    let (m, k) = shape.flat_2d();
+    let (rs, cs) = scale_shapes(m, k);
+    vec![
+        BufferSpec {
+            name: BufferName::Data,
+            dtype: DType::F4E2M1x2,
+            shape: packed_shape(shape),
+        },
+        BufferSpec {
+            name: BufferName::ScaleInv,
+            dtype: DType::F8E4M3,
+            shape: Shape::new(rs),
+        },
+        BufferSpec {
+            name: BufferName::ColumnwiseData,
+            dtype: DType::F4E2M1x2,
+            shape: Shape::new([k, m / 2]),
+        },
+        BufferSpec {
+            name: BufferName::ColumnwiseScaleInv,
+            dtype: DType::F8E4M3,
+            shape: Shape::new(cs),
+        },
+        BufferSpec {
+            name: BufferName::Amax,
+            dtype: DType::F32,
+            shape: Shape::new([1]),
+        },
+        BufferSpec {
+            name: BufferName::ColumnwiseAmax,
+            dtype: DType::F32,
+            shape: Shape::new([1]),
+        },
+    ]
+}
+
+/// The NVFP4 quantizer (TE's `NVFP4Quantizer`).
+#[derive(Clone)]
+pub struct Nvfp4Quantizer {
+    usage: Usage,
+    two_d: bool,
+    rht: bool,
+    swizzled: bool,
+    rng: Option<Generator>,
+    reduction: Option<Arc<dyn AmaxReduction>>,
+}
+
+impl Nvfp4Quantizer {
+    /// 1-D blocks, both usages, no RHT, round-to-nearest, compact scales.
+    pub fn new() -> Self {
+        Nvfp4Quantizer {
+            usage: Usage::Both,
+            two_d: false,
+            rht: false,
+            swizzled: false,
+            rng: None,
+            reduction: None,
+        }
+    }
+
+    /// One scale per 16×16 tile (TE's default for weights).
+    pub fn with_2d(mut self, two_d: bool) -> Self {
+        self.two_d = two_d;
+        self
+    }
+
+    /// The random Hadamard transform of the columnwise operand (TE's default for
+    /// inputs and gradients).
+    pub fn with_rht(mut self, rht: bool) -> Self {
+        self.rht = rht;
+        self
+    }
+
+    /// Scales in cuBLAS's GEMM-swizzled layout.
+    pub fn with_swizzled_scales(mut self, swizzled: bool) -> Self {
+        self.swizzled = swizzled;
+        self
+    }
+
+    /// Stochastic rounding with random bits from `generator` (TE's default for
+    /// gradients); `None` rounds to nearest.
+    pub fn with_stochastic_rounding(mut self, generator: Option<Generator>) -> Self {
+        self.rng = generator;
+        self
+    }
+
+    /// The stochastic-rounding generator, if any (its offset advances with each call).
+    pub fn generator(&self) -> Option<&Generator> {
+        self.rng.as_ref()
+    }
+
+    /// The usages to produce.
+    pub fn with_usage(mut self, usage: Usage) -> Self {
+        self.usage = usage;
+        self
+    }
+
+    /// All-reduce (MAX) the global amaxes over a group before quantizing.
+    pub fn with_amax_reduction(mut self, reduction: Arc<dyn AmaxReduction>) -> Self {
+        self.reduction = Some(reduction);
+        self
+    }
+
+    fn reduce(&self, a: f32) -> Result<f32> {
+        match &self.reduction {
+            Some(r) => r.all_reduce_max(a),
+            None => Ok(a),
+        }
+    }
+
+    fn draw(&mut self, n: usize) -> Option<Vec<u32>> {
+        self.rng.as_mut().map(|g| {
+            let mut w = vec![0u32; n.div_ceil(4)];
+            g.fill_u32(&mut w);
+            w
+        })
+    }
+}
+
+impl Default for Nvfp4Quantizer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for Nvfp4Quantizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Nvfp4Quantizer")
+            .field("usage", &self.usage)
+            .field("two_d", &self.two_d)
+            .field("rht", &self.rht)
+            .field("swizzled", &self.swizzled)
+            .field(
+                "stochastic_rounding",
+                &self.rng.as_ref().map(Generator::state),
+            )
+            .field("amax_reduction", &self.reduction.is_some())
+            .finish()
+    }
+}
+
+impl Quantizer for Nvfp4Quantizer {
+    fn kind(&self) -> Kind {
+        Kind::Nvfp4 {
+            two_d: self.two_d,
+            rht: self.rht,
+            swizzled: self.swizzled,
+        }
+    }
+    fn usage(&self) -> Usage {
+        self.usage
+    }
+    fn set_usage(&mut self, usage: Usage) {
+        self.usage = usage;
+    }
+    fn check_shape(&self, shape: &Shape) -> Result<()> {
+        let (m, k) = shape.flat_2d();
+        if shape.rank() == 0 || m % BLOCK != 0 || k % BLOCK != 0 {
+            return Err(Error::shape(
+                "Nvfp4Quantizer",
+                format!(
+                    "NVFP4 needs both flattened dimensions to be multiples of 16; shape {shape} is [{m}, {k}] as a matrix"
+                ),
+            ));
+        }
+        Ok(())
+    }
+    fn is_quantizable(&self, shape: &Shape) -> bool {
+        shape.rank() >= 2 && self.check_shape(shape).is_ok()
+    }
+    fn make_empty(&self, shape: &Shape, dtype: DType, device: Device) -> Result<QuantizedTensor> {
+        self.check_shape(shape)?;
+        crate::make_empty_from_specs(self.kind(), self.usage, shape, dtype, device)
+    }
+    fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
+        const OP: &str = "Nvfp4Quantizer::quantize";
+        let (m, k) = check_input(OP, x)?;
+        self.check_shape(x.shape())?;
+        let v = to_f32(OP, x)?;
+        let (rs, cs) = scale_shapes(m, k);
+        let a_row = self.reduce(amax_par(&v))?;
+        let mut out: BTreeMap<BufferName, Vec<u8>> = BTreeMap::new();
+        let tiles = self.two_d.then(|| tile_amax(&v, m, k));
+        if self.usage.rowwise() {
+            let block_amax = match &tiles {
+                Some(t) => (0..m)
+                    .flat_map(|r| t[r / BLOCK * (k / BLOCK)..][..k / BLOCK].to_vec())
+                    .collect(),
+                None => block_amax_1d(&v, m, k),
+            };
+            let random = self.draw(m * k);
+            let (codes, s) = quantize_operand(&v, m, k, &block_amax, a_row, random.as_deref());
+            out.insert(BufferName::Data, codes);
+            out.insert(
+                BufferName::ScaleInv,
+                scale_buffer(&s, m, k / BLOCK, rs, self.swizzled),
+            );
+            out.insert(BufferName::Amax, a_row.to_le_bytes().to_vec());
+        }
+        if self.usage.columnwise() {
+            let mut xt = transpose(&v, m, k);
+            let a_col = if self.rht {
+                xt = map_runs(&xt, m, rht16);
+                self.reduce(amax_par(&xt))?
+            } else {
+                a_row
+            };
+            let block_amax = match (&tiles, self.rht) {
+                (Some(t), false) => (0..k)
+                    .flat_map(|c| (0..m / BLOCK).map(move |i| (c, i)))
+                    .map(|(c, i)| t[i * (k / BLOCK) + c / BLOCK])
+                    .collect(),
+                (Some(_), true) => {
+                    // Tiles of the transformed operand.
+                    let tt = tile_amax(&xt, k, m);
+                    (0..k)
+                        .flat_map(|c| tt[c / BLOCK * (m / BLOCK)..][..m / BLOCK].to_vec())
+                        .collect()
+                }
+                (None, _) => block_amax_1d(&xt, k, m),
+            };
+            let random = self.draw(m * k);
+            let (codes, s) = quantize_operand(&xt, k, m, &block_amax, a_col, random.as_deref());
+            out.insert(BufferName::ColumnwiseData, codes);
+            out.insert(
+                BufferName::ColumnwiseScaleInv,
+                scale_buffer(&s, k, m / BLOCK, cs, self.swizzled),
+            );
+            out.insert(BufferName::ColumnwiseAmax, a_col.to_le_bytes().to_vec());
+        }
+        crate::assemble(self.kind(), x, &buffer_specs(x.shape()), out)
+    }
+}
+
+/// Dequantized values (logical order) of one orientation. The columnwise data of an RHT
+/// tensor is transformed back.
+pub(crate) fn dequantize(
+    qt: &QuantizedTensor,
+    rht: bool,
+    swizzled: bool,
+    columnwise: bool,
+) -> Result<Vec<f32>> {
+    let (m, k) = qt.shape.flat_2d();
+    let (rs, cs) = scale_shapes(m, k);
+    let (dn, sn, an, rows, cols, padded) = if columnwise {
+        (
+            BufferName::ColumnwiseData,
+            BufferName::ColumnwiseScaleInv,
+            BufferName::ColumnwiseAmax,
+            k,
+            m,
+            cs,
+        )
+    } else {
+        (
+            BufferName::Data,
+            BufferName::ScaleInv,
+            BufferName::Amax,
+            m,
+            k,
+            rs,
+        )
+    };
+    let get = |n| qt.buffers.get(&n).ok_or_else(|| crate::fp8::missing(n));
+    let codes = get(dn)?.as_bytes()?;
+    let a = get(an)?.as_slice::<f32>()?[0];
+    let s = compact_scales(get(sn)?.as_bytes()?, rows, cols / BLOCK, padded, swizzled)?;
+    let nb = cols / BLOCK;
+    let v: Vec<f32> = (0..rows * cols)
+        .into_par_iter()
+        .map(|e| {
+            let byte = codes[e / 2];
+            let code = if e % 2 == 0 { byte & 0xF } else { byte >> 4 };
+            let scale =
+                (decode_e4m3(s[(e / cols) * nb + (e % cols) / BLOCK]) * a) * (1.0f32 / 2688.0);
+            decode_e2m1(code) * scale
+        })
+        .collect();
+    Ok(if columnwise {
+        let v = if rht {
+            map_runs(&v, m, inverse_rht16)
+        } else {
+            v
+        };
+        transpose(&v, k, m)
+    } else {
+        v
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worked_example() {
+        // spec §5.4: 16×16, only row 0 non-zero.
+        let mut x = vec![0.0f32; 256];
+        x[..6].copy_from_slice(&[12.0, -3.0, 1.1, 0.2, -0.3, 5.0]);
+        let t = Tensor::from_slice(&x, [16, 16], Device::Cpu).unwrap();
+        let q = Nvfp4Quantizer::new().quantize(&t).unwrap();
+        let data = q.buffer(BufferName::Data).unwrap().as_bytes().unwrap();
+        assert_eq!(&data[..3], &[0xB7, 0x01, 0x48]);
+        let s = q.buffer(BufferName::ScaleInv).unwrap().as_bytes().unwrap();
+        assert_eq!(s[0], 0x7E);
+        assert_eq!(
+            q.buffer(BufferName::Amax)
+                .unwrap()
+                .as_slice::<f32>()
+                .unwrap(),
+            &[12.0]
+        );
+        // Columnwise: column 0 holds only 12 → scale 0x7E, packed byte 0x07; column 2
+        // holds only 1.1 → E4M3 40 (0x62).
+        let cd = q
+            .buffer(BufferName::ColumnwiseData)
+            .unwrap()
+            .as_bytes()
+            .unwrap();
+        assert_eq!(cd[0], 0x07);
+        let cs = q.buffer(BufferName::ColumnwiseScaleInv).unwrap();
+        let cols = cs.shape().dims()[1];
+        assert_eq!(cs.as_bytes().unwrap()[0], 0x7E);
+        assert_eq!(cs.as_bytes().unwrap()[2 * cols], 0x62);
+        let d = q.dequantize(DType::F32).unwrap();
+        assert_eq!(
+            &d.as_slice::<f32>().unwrap()[..6],
+            &[12.0, -3.0, 1.0, 0.0, -0.0, 4.0]
+        );
+        assert_eq!(global_encode_scale(12.0), 224.0);
+        assert_eq!(12.0 * (224.0f32 * (1.0 / 6.0)), 448.000_03);
+    }
+
+    #[test]
+    fn rht_inverts_and_is_orthogonal() {
+        let v: Vec<f32> = (0..16).map(|i| (i as f32 - 7.5) * 0.375).collect();
+        let y = rht16(&v);
+        let back = inverse_rht16(&y);
+        for (a, b) in v.iter().zip(back) {
+            assert!((a - b).abs() < 1e-6, "{a} {b}");
+        }
+        let n2 = |x: &[f32]| x.iter().map(|v| v * v).sum::<f32>();
+        assert!((n2(&v) - n2(&y)).abs() < 1e-3);
+    }
+
+    #[test]
+    fn underflowing_block_scale_saturates_codes() {
+        // Block amax tiny beside the tensor amax: E4M3 scale 0, codes ±6, dequantized 0.
+        let mut x = vec![0.0f32; 32];
+        x[0] = 1e6;
+        x[16] = 1e-3;
+        let t = Tensor::from_slice(&x, [1, 32], Device::Cpu).unwrap();
+        let q = Nvfp4Quantizer::new()
+            .with_usage(Usage::Rowwise)
+            .check_shape(t.shape());
+        assert!(q.is_err(), "M = 1 is not a multiple of 16");
+        let (codes, s) = quantize_operand(&x, 1, 32, &block_amax_1d(&x, 1, 32), 1e6, None);
+        assert_eq!(s[1], 0);
+        assert_eq!(codes[8] & 0xF, 7);
+    }
+}
