@@ -16,7 +16,7 @@ pub(crate) fn run(root: &Path, resources: bool, out: Option<&Path>) -> Result<()
         bail!("no crates/*/kernels/*.cu files under {}", root.display());
     }
     for cu in sources {
-        let source = std::fs::read_to_string(&cu)?;
+        let source = hashed_source(&cu)?;
         let rel = cu.strip_prefix(root).unwrap_or(&cu);
         let kernels_dir = rel.parent().expect("a kernels/ directory");
         let stem = cu.file_stem().expect("a file name").to_string_lossy();
@@ -55,6 +55,23 @@ pub(crate) fn run(root: &Path, resources: bool, out: Option<&Path>) -> Result<()
         }
     }
     Ok(())
+}
+
+/// The text a PTX file's hash covers: the `.cu` file followed by every `.cuh` header of
+/// its directory, in name order (so a header change marks every kernel of the crate
+/// stale).
+fn hashed_source(cu: &Path) -> Result<String> {
+    let mut text = std::fs::read_to_string(cu)?;
+    let dir = cu.parent().expect("a kernels/ directory");
+    let mut headers: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "cuh"))
+        .collect();
+    headers.sort();
+    for h in headers {
+        text.push_str(&std::fs::read_to_string(h)?);
+    }
+    Ok(text)
 }
 
 /// Every `crates/*/kernels/*.cu`, sorted.

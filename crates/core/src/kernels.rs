@@ -3,7 +3,8 @@
 //!
 //! Kernel sources live beside the crate that launches them (`crates/<c>/kernels/*.cu`).
 //! `cargo xtask ptx` compiles each with nvcc into `kernels/ptx/<name>.ptx` and writes
-//! the SHA-256 of the source into the PTX's first line:
+//! the SHA-256 of the source — the `.cu` text followed by every `.cuh` header of the same
+//! directory in name order — into the PTX's first line:
 //!
 //! ```text
 //! // tessera-source-sha256: 3b1f...

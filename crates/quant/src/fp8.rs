@@ -154,6 +154,46 @@ impl Fp8CurrentScaling {
     }
 }
 
+impl Fp8CurrentScaling {
+    /// amax, scale and cast on the device; only an amax reduction reads the amax back.
+    #[cfg(feature = "cuda")]
+    fn quantize_cuda(&self, x: &Tensor) -> Result<QuantizedTensor> {
+        use crate::cuda::fp8 as k;
+        check_input("Fp8CurrentScaling::quantize", x)?;
+        let amax = k::amax(x)?;
+        let scale = match &self.reduction {
+            None => {
+                let dev = x.cuda_device()?;
+                k::scale_from_amax(
+                    dev,
+                    x.device(),
+                    &amax,
+                    self.format.max(),
+                    self.pow2_scales,
+                    self.amax_epsilon,
+                )?
+            }
+            Some(r) => {
+                let a = r.all_reduce_max(amax.to_vec::<f32>()?[0])?;
+                let s = compute_scale_from_amax(
+                    a,
+                    self.format.max(),
+                    self.pow2_scales,
+                    self.amax_epsilon,
+                    f32::MAX,
+                );
+                Tensor::from_slice(&[s], [1], x.device())?
+            }
+        };
+        k::cast(x, &scale, self.format, self.usage, None)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn quantize_cuda(&self, _x: &Tensor) -> Result<QuantizedTensor> {
+        Err(Error::no_cuda_feature("quantizing a CUDA tensor"))
+    }
+}
+
 impl fmt::Debug for Fp8CurrentScaling {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Fp8CurrentScaling")
@@ -189,6 +229,9 @@ impl Quantizer for Fp8CurrentScaling {
         crate::make_empty_from_specs(self.kind(), self.usage, shape, dtype, device)
     }
     fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
+        if x.device().is_cuda() {
+            return self.quantize_cuda(x);
+        }
         let scale = self.scale_for(x)?;
         Ok(quantize_with_scale(
             "Fp8CurrentScaling::quantize",
@@ -415,6 +458,9 @@ impl Quantizer for Fp8DelayedScaling {
         crate::make_empty_from_specs(self.kind(), self.usage, shape, dtype, device)
     }
     fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
+        if x.device().is_cuda() {
+            return self.quantize_cuda(x);
+        }
         let (qt, amax) = quantize_with_scale(
             "Fp8DelayedScaling::quantize",
             x,
@@ -426,6 +472,28 @@ impl Quantizer for Fp8DelayedScaling {
             self.state.record_amax(amax);
         }
         Ok(qt)
+    }
+}
+
+impl Fp8DelayedScaling {
+    /// The cast on the device with the host-held scale; recording the amax into the
+    /// host-held history reads one float back.
+    #[cfg(feature = "cuda")]
+    fn quantize_cuda(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
+        use crate::cuda::fp8 as k;
+        check_input("Fp8DelayedScaling::quantize", x)?;
+        let scale = Tensor::from_slice(&[self.state.scale], [1], x.device())?;
+        let mut amax = Tensor::zeros([1], DType::F32, x.device())?;
+        let qt = k::cast(x, &scale, self.format, self.usage, Some(&mut amax))?;
+        if self.record {
+            self.state.record_amax(amax.to_vec::<f32>()?[0]);
+        }
+        Ok(qt)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn quantize_cuda(&mut self, _x: &Tensor) -> Result<QuantizedTensor> {
+        Err(Error::no_cuda_feature("quantizing a CUDA tensor"))
     }
 }
 

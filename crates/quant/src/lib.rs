@@ -36,6 +36,8 @@
 
 pub mod block;
 pub mod cast;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod fp8;
 pub mod layout;
 pub mod mxfp8;

@@ -342,10 +342,55 @@ impl QuantizedTensor {
         if !dtype.is_high_precision_float() {
             return Err(Error::dtype(OP, "f32, bf16 or f16", dtype));
         }
-        let host = self.to_device(Device::Cpu)?;
-        let values = crate::dequantize_values(&host, usage)?;
-        let t = crate::values::from_f32(&values, &self.shape, dtype)?;
-        t.to_device(self.device())
+        if self.device().is_cuda() {
+            return self.dequantize_cuda(usage, dtype);
+        }
+        let values = crate::dequantize_values(self, usage)?;
+        crate::values::from_f32(&values, &self.shape, dtype)
+    }
+}
+
+impl QuantizedTensor {
+    #[cfg(feature = "cuda")]
+    fn dequantize_cuda(&self, usage: Usage, dtype: DType) -> Result<Tensor> {
+        let missing = crate::fp8::missing;
+        match self.kind {
+            Kind::Fp8 { format } => {
+                let scale_inv = self
+                    .buffers
+                    .get(&BufferName::ScaleInv)
+                    .ok_or_else(|| missing(BufferName::ScaleInv))?;
+                let data = match usage {
+                    Usage::Columnwise => {
+                        let (m, k) = self.shape.flat_2d();
+                        let ct = self
+                            .buffers
+                            .get(&BufferName::ColumnwiseData)
+                            .ok_or_else(|| missing(BufferName::ColumnwiseData))?;
+                        crate::cuda::layout::transpose_bytes(ct, k, m)?.reshape(&self.shape)?
+                    }
+                    _ => self
+                        .buffers
+                        .get(&BufferName::Data)
+                        .ok_or_else(|| missing(BufferName::Data))?
+                        .clone(),
+                };
+                crate::cuda::fp8::dequantize(&data, scale_inv, format, dtype)
+            }
+            other => Err(Error::device(
+                "QuantizedTensor::dequantize",
+                format!(
+                    "cpu ({} dequantization has no CUDA kernel yet; copy the tensor with to_device(Device::Cpu))",
+                    other.name()
+                ),
+                self.device(),
+            )),
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn dequantize_cuda(&self, _usage: Usage, _dtype: DType) -> Result<Tensor> {
+        Err(Error::no_cuda_feature("dequantizing a CUDA tensor"))
     }
 }
 

@@ -11,7 +11,7 @@ pub(crate) fn to_f32<'a>(op: &'static str, x: &'a Tensor) -> Result<Cow<'a, [f32
     if x.device() != Device::Cpu {
         return Err(Error::device(
             op,
-            "cpu (the CPU reference quantizers read host tensors)",
+            "cpu (this quantizer has no CUDA kernel yet; copy the input with to_device(Device::Cpu))",
             x.device(),
         ));
     }
@@ -24,19 +24,25 @@ pub(crate) fn to_f32<'a>(op: &'static str, x: &'a Tensor) -> Result<Cow<'a, [f32
 }
 
 /// A host tensor of `dtype` (f32, bf16 or f16, rounded to nearest-even) from f32 values.
+/// NaN is written as the canonical NaN a CUDA GPU produces (`0x7FFFFFFF`, `0x7FFF`), so
+/// CPU and GPU dequantization agree bit for bit.
 pub(crate) fn from_f32(v: &[f32], shape: &Shape, dtype: DType) -> Result<Tensor> {
+    fn conv<T: tessera_core::Element>(
+        v: &[f32],
+        shape: &Shape,
+        nan: T,
+        f: impl Fn(f32) -> T,
+    ) -> Result<Tensor> {
+        let c: Vec<T> = v
+            .iter()
+            .map(|&x| if x.is_nan() { nan } else { f(x) })
+            .collect();
+        Tensor::from_slice(&c, shape, Device::Cpu)
+    }
     match dtype {
-        DType::F32 => Tensor::from_slice(v, shape, Device::Cpu),
-        DType::BF16 => Tensor::from_slice(
-            &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
-            shape,
-            Device::Cpu,
-        ),
-        DType::F16 => Tensor::from_slice(
-            &v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
-            shape,
-            Device::Cpu,
-        ),
+        DType::F32 => conv(v, shape, f32::from_bits(0x7FFF_FFFF), |x| x),
+        DType::BF16 => conv(v, shape, bf16::from_bits(0x7FFF), bf16::from_f32),
+        DType::F16 => conv(v, shape, f16::from_bits(0x7FFF), f16::from_f32),
         other => Err(Error::dtype("dequantize", "f32, bf16 or f16", other)),
     }
 }

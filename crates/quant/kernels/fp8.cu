@@ -1,0 +1,224 @@
+// FP8 per-tensor kernels (spec/formats.md 3): NaN-ignoring amax, scale from amax, the
+// cast (rowwise, or rowwise + transposed columnwise in one pass), dequantization, and
+// the delayed-scaling update. Checked byte for byte against crates/quant/src/fp8.rs.
+#include "common.cuh"
+
+// ---- amax ----------------------------------------------------------------------------
+
+// out[0] = max(out[0], NaN-ignoring max |x|); out must start at 0 (or a previous amax).
+template <class T>
+__device__ void amax_impl(const T* __restrict__ x, u64 n, float* out) {
+    __shared__ float smem[32];
+    constexpr int V = 16 / sizeof(T);
+    float m = 0.0f;
+    const u64 nv = n / V;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nv; i += stride) {
+        union { uint4 v; T e[V]; } u;
+        u.v = reinterpret_cast<const uint4*>(x)[i];
+#pragma unroll
+        for (int j = 0; j < V; ++j) m = fmaxf(m, fabsf(In<T>::f32(u.e[j])));
+    }
+    for (u64 i = nv * V + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        m = fmaxf(m, fabsf(In<T>::f32(x[i])));
+    m = block_max(m, smem);
+    if (threadIdx.x == 0) atomic_max_nonneg(out, m);
+}
+
+#define AMAX(SUFFIX, T)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256)                                         \
+        tessera_amax_##SUFFIX(const T* __restrict__ x, u64 n, float* out) {                   \
+        amax_impl<T>(x, n, out);                                                               \
+    }
+AMAX(f32, float)
+AMAX(bf16, __nv_bfloat16)
+AMAX(f16, __half)
+
+// scale = compute_scale_from_amax(amax[0]); one thread.
+extern "C" __global__ void tessera_fp8_scale_from_amax(const float* amax, float fp8_max, int pow2,
+                                                       float eps, float value_for_inf, float* scale) {
+    scale[0] = scale_from_amax(amax[0], fp8_max, pow2 != 0, eps, value_for_inf);
+}
+
+// ---- cast ----------------------------------------------------------------------------
+
+// Rowwise cast, 16 elements per step (16 output bytes). scale_inv[0] = 1 / scale[0] is
+// written by thread 0; amax (if not null) collects NaN-ignoring max |x| (delayed scaling
+// records it into its history).
+template <class T, bool E4M3>
+__device__ void cast_impl(const T* __restrict__ x, uint8_t* __restrict__ q, u64 n,
+                          const float* __restrict__ scale_ptr, float* __restrict__ scale_inv,
+                          float* __restrict__ amax) {
+    __shared__ float smem[32];
+    const float scale = scale_ptr[0];
+    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (tid == 0) scale_inv[0] = __frcp_rn(scale);
+    constexpr int V = 16 / sizeof(T);  // elements per 16-byte load
+    constexpr int L = 16 / V;          // loads per step
+    const u64 steps = n / 16;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    float m = 0.0f;
+    for (u64 s = tid; s < steps; s += stride) {
+        union { uint4 v[L]; T e[16]; } u;
+#pragma unroll
+        for (int l = 0; l < L; ++l) u.v[l] = reinterpret_cast<const uint4*>(x)[s * L + l];
+        union { uint4 v; uint16_t h[8]; } o;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float a = In<T>::f32(u.e[2 * j]), b = In<T>::f32(u.e[2 * j + 1]);
+            m = fmaxf(m, fmaxf(fabsf(a), fabsf(b)));
+            o.h[j] = fp8x2<E4M3>(a * scale, b * scale);
+        }
+        reinterpret_cast<uint4*>(q)[s] = o.v;
+    }
+    for (u64 i = steps * 16 + tid; i < n; i += stride) {
+        const float a = In<T>::f32(x[i]);
+        m = fmaxf(m, fabsf(a));
+        q[i] = fp8<E4M3>(a * scale);
+    }
+    if (amax != nullptr) {
+        m = block_max(m, smem);
+        if (threadIdx.x == 0) atomic_max_nonneg(amax, m);
+    }
+}
+
+// Rowwise + columnwise (transposed) cast of an [m, k] matrix through a 64x64 shared tile.
+// Grid: (ceil(m/64), ceil(k/64)); 256 threads. `q` and/or `qt` may be null.
+template <class T, bool E4M3>
+__device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict__ q,
+                                    uint8_t* __restrict__ qt, u64 m, u64 k,
+                                    const float* __restrict__ scale_ptr,
+                                    float* __restrict__ scale_inv, float* __restrict__ amax) {
+    __shared__ uint8_t tile[64][64 + 4];
+    __shared__ float smem[32];
+    const float scale = scale_ptr[0];
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) scale_inv[0] = __frcp_rn(scale);
+    const u64 m0 = (u64)blockIdx.x * 64, k0 = (u64)blockIdx.y * 64;
+    float mx = 0.0f;
+    // Load and cast: thread t handles 4 consecutive columns of 4 rows.
+    for (int idx = threadIdx.x; idx < 64 * 16; idx += blockDim.x) {
+        const int r = idx / 16, c = (idx % 16) * 4;
+        const u64 gm = m0 + r, gk = k0 + c;
+        uint8_t b[4] = {0, 0, 0, 0};
+        if (gm < m) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (gk + j < k) {
+                    const float a = In<T>::f32(x[gm * k + gk + j]);
+                    mx = fmaxf(mx, fabsf(a));
+                    b[j] = fp8<E4M3>(a * scale);
+                    if (q != nullptr) q[gm * k + gk + j] = b[j];
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) tile[r][c + j] = b[j];
+    }
+    __syncthreads();
+    if (qt != nullptr) {
+        // Write the transpose: row c of qt (a column of x) gets 4 consecutive m.
+        for (int idx = threadIdx.x; idx < 64 * 16; idx += blockDim.x) {
+            const int c = idx / 16, r = (idx % 16) * 4;
+            const u64 gk = k0 + c, gm = m0 + r;
+            if (gk >= k) continue;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                if (gm + j < m) qt[gk * m + gm + j] = tile[r + j][c];
+        }
+    }
+    if (amax != nullptr) {
+        mx = block_max(mx, smem);
+        if (threadIdx.x == 0) atomic_max_nonneg(amax, mx);
+    }
+}
+
+#define CAST(SUFFIX, T, FMT, E4M3)                                                             \
+    extern "C" __global__ void __launch_bounds__(256) tessera_fp8_cast_##SUFFIX##_##FMT(       \
+        const T* __restrict__ x, uint8_t* __restrict__ q, u64 n, const float* scale,          \
+        float* scale_inv, float* amax) {                                                       \
+        cast_impl<T, E4M3>(x, q, n, scale, scale_inv, amax);                                   \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256)                                         \
+        tessera_fp8_cast_transpose_##SUFFIX##_##FMT(const T* __restrict__ x, uint8_t* q,      \
+                                                    uint8_t* qt, u64 m, u64 k,                 \
+                                                    const float* scale, float* scale_inv,     \
+                                                    float* amax) {                             \
+        cast_transpose_impl<T, E4M3>(x, q, qt, m, k, scale, scale_inv, amax);                  \
+    }
+CAST(f32, float, e4m3, true)
+CAST(f32, float, e5m2, false)
+CAST(bf16, __nv_bfloat16, e4m3, true)
+CAST(bf16, __nv_bfloat16, e5m2, false)
+CAST(f16, __half, e4m3, true)
+CAST(f16, __half, e5m2, false)
+
+// ---- dequantize ----------------------------------------------------------------------
+
+// y = decode(q) * scale_inv[0], rowwise; NaN results are the canonical NaN.
+template <class T, bool E4M3>
+__device__ void dequant_impl(const uint8_t* __restrict__ q, T* __restrict__ y, u64 n,
+                             const float* __restrict__ scale_inv) {
+    const float s = scale_inv[0];
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        y[i] = In<T>::from(fp8_to_f32<E4M3>(q[i]) * s);
+}
+
+#define DEQUANT(SUFFIX, T, FMT, E4M3)                                                          \
+    extern "C" __global__ void __launch_bounds__(256) tessera_fp8_dequant_##SUFFIX##_##FMT(    \
+        const uint8_t* __restrict__ q, T* __restrict__ y, u64 n, const float* scale_inv) {    \
+        dequant_impl<T, E4M3>(q, y, n, scale_inv);                                             \
+    }
+DEQUANT(f32, float, e4m3, true)
+DEQUANT(f32, float, e5m2, false)
+DEQUANT(bf16, __nv_bfloat16, e4m3, true)
+DEQUANT(bf16, __nv_bfloat16, e5m2, false)
+DEQUANT(f16, __half, e4m3, true)
+DEQUANT(f16, __half, e5m2, false)
+
+// ---- layout helpers ------------------------------------------------------------------
+
+// Byte transpose of a row-major [rows, cols] matrix through a 64x64 tile.
+// Grid: (ceil(rows/64), ceil(cols/64)).
+extern "C" __global__ void __launch_bounds__(256)
+    tessera_transpose_u8(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, u64 rows, u64 cols) {
+    __shared__ uint8_t tile[64][64 + 4];
+    const u64 r0 = (u64)blockIdx.x * 64, c0 = (u64)blockIdx.y * 64;
+    for (int idx = threadIdx.x; idx < 64 * 64; idx += blockDim.x) {
+        const int r = idx / 64, c = idx % 64;
+        if (r0 + r < rows && c0 + c < cols) tile[r][c] = src[(r0 + r) * cols + c0 + c];
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < 64 * 64; idx += blockDim.x) {
+        const int c = idx / 64, r = idx % 64;
+        if (r0 + r < rows && c0 + c < cols) dst[(c0 + c) * rows + r0 + r] = tile[r][c];
+    }
+}
+
+// swap_first_dims: src [d0, d1, inner bytes] -> dst [d1, d0, inner]; one thread per byte
+// of `inner` in a grid-stride loop over (i, j, byte).
+extern "C" __global__ void __launch_bounds__(256)
+    tessera_swap_first_dims(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, u64 d0,
+                            u64 d1, u64 inner) {
+    const u64 n = d0 * d1 * inner;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 o = (u64)blockIdx.x * blockDim.x + threadIdx.x; o < n; o += stride) {
+        const u64 c = o % inner, ij = o / inner;
+        const u64 i = ij / d0, j = ij % d0;  // output row i of d1, column j of d0
+        dst[o] = src[(j * d1 + i) * inner + c];
+    }
+}
+
+// Copies the valid [rows, cols] (bytes) top-left region of a [*, src_cols] matrix into a
+// [*, dst_cols] matrix, writing zeros in dst's padding columns up to dst_cols and in rows
+// rows..dst_rows (padding strip when dst is smaller, restore when larger).
+extern "C" __global__ void __launch_bounds__(256)
+    tessera_repad(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, u64 rows, u64 cols,
+                  u64 src_cols, u64 dst_rows, u64 dst_cols) {
+    const u64 n = dst_rows * dst_cols;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 o = (u64)blockIdx.x * blockDim.x + threadIdx.x; o < n; o += stride) {
+        const u64 r = o / dst_cols, c = o % dst_cols;
+        dst[o] = (r < rows && c < cols) ? src[r * src_cols + c] : 0;
+    }
+}

@@ -1,0 +1,202 @@
+//! Per-tensor FP8 on the device.
+
+use std::collections::BTreeMap;
+
+use cudarc::driver::PushKernelArg;
+use tessera_core::cuda::{CudaDevice, grid_1d};
+use tessera_core::{DType, Device, Result, Tensor};
+
+use super::{BLOCK, FP8_PTX, device_of, dtype_suffix, format_suffix, launch, tiles_64};
+use crate::values::{check_input, transposed_shape};
+use crate::{BufferName, Fp8Format, Kind, QuantizedTensor, Usage};
+
+/// NaN-ignoring `max |x|` of a CUDA tensor into a new device `f32 [1]`.
+pub(crate) fn amax(x: &Tensor) -> Result<Tensor> {
+    const OP: &str = "cuda amax";
+    let dev = device_of(x)?;
+    let mut out = Tensor::zeros([1], DType::F32, x.device())?;
+    let n = x.numel() as u64;
+    let f = dev.function(
+        &FP8_PTX,
+        &format!("tessera_amax_{}", dtype_suffix(OP, x.dtype())?),
+    )?;
+    let per = 16 / x.dtype().size_in_bytes();
+    let cfg = grid_1d(&dev, x.numel().div_ceil(per), BLOCK)?;
+    let dst = out.cuda_slice_mut()?;
+    // SAFETY: tessera_amax_T(const T* x, u64 n, float* out): x holds n elements of T
+    // (dtype-checked by the kernel name), out one float.
+    unsafe {
+        launch(&dev, &f, cfg, OP, |b| {
+            b.arg(x.cuda_slice().expect("checked")).arg(&n).arg(dst);
+        })
+    }?;
+    Ok(out)
+}
+
+/// `scale = compute_scale_from_amax(amax)` on the device, into a new `f32 [1]`.
+pub(crate) fn scale_from_amax(
+    dev: &CudaDevice,
+    device: Device,
+    amax: &Tensor,
+    fp8_max: f32,
+    pow2: bool,
+    eps: f32,
+) -> Result<Tensor> {
+    let mut scale = Tensor::empty([1], DType::F32, device)?;
+    let f = dev.function(&FP8_PTX, "tessera_fp8_scale_from_amax")?;
+    let (pow2, value_for_inf) = (i32::from(pow2), f32::MAX);
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let dst = scale.cuda_slice_mut()?;
+    // SAFETY: (const float* amax, float fp8_max, int pow2, float eps, float
+    // value_for_inf, float* scale), both pointers one float.
+    unsafe {
+        launch(dev, &f, cfg, "cuda scale_from_amax", |b| {
+            b.arg(amax.cuda_slice().expect("device tensor"))
+                .arg(&fp8_max)
+                .arg(&pow2)
+                .arg(&eps)
+                .arg(&value_for_inf)
+                .arg(dst);
+        })
+    }?;
+    Ok(scale)
+}
+
+/// Casts `x` with the device scale `scale` (`f32 [1]`), producing `usage`'s buffers;
+/// `amax`, when given, collects `max |x|`.
+pub(crate) fn cast(
+    x: &Tensor,
+    scale: &Tensor,
+    format: Fp8Format,
+    usage: Usage,
+    amax: Option<&mut Tensor>,
+) -> Result<QuantizedTensor> {
+    const OP: &str = "cuda fp8 cast";
+    let (m, k) = check_input(OP, x)?;
+    let dev = device_of(x)?;
+    let device = x.device();
+    let sfx = dtype_suffix(OP, x.dtype())?;
+    let fmt = format_suffix(format);
+    let mut scale_inv = Tensor::empty([1], DType::F32, device)?;
+    let mut buffers = BTreeMap::new();
+    let null = 0u64;
+    let amax_ptr: Option<&mut cudarc::driver::CudaSlice<u8>> = match amax {
+        Some(a) => Some(a.cuda_slice_mut()?),
+        None => None,
+    };
+    if usage.columnwise() {
+        let mut q = usage
+            .rowwise()
+            .then(|| Tensor::empty(x.shape(), format.dtype(), device))
+            .transpose()?;
+        let mut qt = Tensor::empty(transposed_shape(x.shape()), format.dtype(), device)?;
+        let f = dev.function(&FP8_PTX, &format!("tessera_fp8_cast_transpose_{sfx}_{fmt}"))?;
+        let cfg = tiles_64(m, k)?;
+        let (mu, ku) = (m as u64, k as u64);
+        {
+            let qs = match q.as_mut() {
+                Some(q) => Some(q.cuda_slice_mut()?),
+                None => None,
+            };
+            let qts = qt.cuda_slice_mut()?;
+            let sis = scale_inv.cuda_slice_mut()?;
+            // SAFETY: (const T* x, u8* q, u8* qt, u64 m, u64 k, const float* scale, float*
+            // scale_inv, float* amax): x is [m, k] of T, q [m, k] bytes or null, qt [k, m]
+            // bytes, scale/scale_inv/amax one float each (amax may be null).
+            unsafe {
+                launch(&dev, &f, cfg, OP, |b| {
+                    b.arg(x.cuda_slice().expect("device tensor"));
+                    match qs {
+                        Some(q) => b.arg(q),
+                        None => b.arg(&null),
+                    };
+                    b.arg(qts)
+                        .arg(&mu)
+                        .arg(&ku)
+                        .arg(scale.cuda_slice().expect("device tensor"))
+                        .arg(sis);
+                    match amax_ptr {
+                        Some(a) => b.arg(a),
+                        None => b.arg(&null),
+                    };
+                })
+            }?;
+        }
+        buffers.insert(BufferName::ColumnwiseData, qt);
+        if let Some(q) = q {
+            buffers.insert(BufferName::Data, q);
+        }
+    } else {
+        let mut q = Tensor::empty(x.shape(), format.dtype(), device)?;
+        let f = dev.function(&FP8_PTX, &format!("tessera_fp8_cast_{sfx}_{fmt}"))?;
+        let n = x.numel() as u64;
+        let cfg = grid_1d(&dev, x.numel().div_ceil(16), BLOCK)?;
+        {
+            let qs = q.cuda_slice_mut()?;
+            let sis = scale_inv.cuda_slice_mut()?;
+            // SAFETY: (const T* x, u8* q, u64 n, const float* scale, float* scale_inv,
+            // float* amax): x holds n elements of T, q n bytes; 16-element steps read
+            // 16-byte-aligned vectors (allocations are 256-byte aligned and steps start at
+            // multiples of 16 elements).
+            unsafe {
+                launch(&dev, &f, cfg, OP, |b| {
+                    b.arg(x.cuda_slice().expect("device tensor"))
+                        .arg(qs)
+                        .arg(&n)
+                        .arg(scale.cuda_slice().expect("device tensor"))
+                        .arg(sis);
+                    match amax_ptr {
+                        Some(a) => b.arg(a),
+                        None => b.arg(&null),
+                    };
+                })
+            }?;
+        }
+        buffers.insert(BufferName::Data, q);
+    }
+    buffers.insert(BufferName::ScaleInv, scale_inv);
+    Ok(QuantizedTensor {
+        kind: Kind::Fp8 { format },
+        shape: x.shape().clone(),
+        source_dtype: x.dtype(),
+        buffers,
+    })
+}
+
+/// Dequantizes rowwise FP8 bytes `q` (any shape) with `scale_inv` into `dtype`.
+pub(crate) fn dequantize(
+    q: &Tensor,
+    scale_inv: &Tensor,
+    format: Fp8Format,
+    dtype: DType,
+) -> Result<Tensor> {
+    const OP: &str = "cuda fp8 dequantize";
+    let dev = device_of(q)?;
+    let mut y = Tensor::empty(q.shape(), dtype, q.device())?;
+    let f = dev.function(
+        &FP8_PTX,
+        &format!(
+            "tessera_fp8_dequant_{}_{}",
+            dtype_suffix(OP, dtype)?,
+            format_suffix(format)
+        ),
+    )?;
+    let n = q.numel() as u64;
+    let cfg = grid_1d(&dev, q.numel(), BLOCK)?;
+    let ys = y.cuda_slice_mut()?;
+    // SAFETY: (const u8* q, T* y, u64 n, const float* scale_inv): q n bytes, y n elements
+    // of T, scale_inv one float.
+    unsafe {
+        launch(&dev, &f, cfg, OP, |b| {
+            b.arg(q.cuda_slice().expect("device tensor"))
+                .arg(ys)
+                .arg(&n)
+                .arg(scale_inv.cuda_slice().expect("device tensor"));
+        })
+    }?;
+    Ok(y)
+}

@@ -1,0 +1,81 @@
+//! The CUDA paths of the quantizers (feature `cuda`): the same bytes as the CPU
+//! reference, computed on the device, with no round trip through the host.
+
+pub(crate) mod fp8;
+pub mod layout;
+
+use cudarc::driver::{CudaFunction, LaunchArgs, LaunchConfig};
+use tessera_core::cuda::{CudaDevice, CudaResultExt};
+use tessera_core::kernels::PtxModule;
+use tessera_core::{DType, Error, Result, Tensor};
+
+use crate::Fp8Format;
+
+/// The compiled kernels of `kernels/fp8.cu` (per-tensor FP8, amax, layouts).
+pub(crate) const FP8_PTX: PtxModule = PtxModule {
+    name: "tessera_quant_fp8",
+    ptx: include_str!("../../kernels/ptx/fp8.ptx"),
+};
+
+/// Threads per block of every kernel here (their `__launch_bounds__`).
+pub(crate) const BLOCK: u32 = 256;
+
+/// `f32`, `bf16` or `f16`: the kernel-name suffix of an input dtype.
+pub(crate) fn dtype_suffix(op: &'static str, dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        DType::F16 => Ok("f16"),
+        other => Err(Error::dtype(op, "f32, bf16 or f16", other)),
+    }
+}
+
+/// `e4m3` or `e5m2`.
+pub(crate) fn format_suffix(f: Fp8Format) -> &'static str {
+    f.name()
+}
+
+/// A 2-D launch of 64×64 tiles over an `[rows, cols]` matrix (rows in x, cols in y).
+pub(crate) fn tiles_64(rows: usize, cols: usize) -> Result<LaunchConfig> {
+    let gy = cols.div_ceil(64).max(1);
+    if gy > 65_535 {
+        return Err(Error::shape(
+            "cuda launch",
+            format!("a matrix with {cols} columns exceeds the 64x65535-column tile grid"),
+        ));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (
+            rows.div_ceil(64).clamp(1, u32::MAX as usize) as u32,
+            gy as u32,
+            1,
+        ),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// Launches `f` with the arguments pushed by `args`.
+///
+/// # Safety
+/// `args` must push exactly the kernel's parameters, in order and with the right types,
+/// and every pointer must address device memory large enough for what the kernel
+/// touches under `cfg`.
+pub(crate) unsafe fn launch<'a>(
+    dev: &'a CudaDevice,
+    f: &'a CudaFunction,
+    cfg: LaunchConfig,
+    op: &'static str,
+    args: impl FnOnce(&mut LaunchArgs<'a>),
+) -> Result<()> {
+    let mut b = dev.stream().launch_builder(f);
+    args(&mut b);
+    // SAFETY: the caller guarantees the arguments match the kernel and its bounds.
+    unsafe { b.launch(cfg) }.cuda_op(op)?;
+    Ok(())
+}
+
+/// The device handle of a CUDA tensor.
+pub(crate) fn device_of(t: &Tensor) -> Result<std::sync::Arc<CudaDevice>> {
+    Ok(t.cuda_device()?.clone())
+}

@@ -1,0 +1,281 @@
+//! GPU tests of the tessera-quant kernels: every CUDA path against the CPU reference,
+//! byte for byte, on random shapes and values (including NaN, ±Inf, zeros, subnormals
+//! and huge magnitudes), with poisoned outputs. Run with `cargo xtask test-gpu`.
+#![cfg(feature = "cuda")]
+
+use half::{bf16, f16};
+use tessera_core::cuda::is_available;
+use tessera_core::{DType, Device, Tensor};
+use tessera_quant::{
+    BufferName, Fp8CurrentScaling, Fp8DelayedScaling, Fp8Format, QuantizedTensor, Quantizer, Usage,
+};
+use tessera_rng::Generator;
+
+const GPU: Device = Device::Cuda(0);
+
+fn require_gpu() {
+    assert!(
+        is_available(),
+        "these tests need a CUDA GPU; run them with `cargo xtask test-gpu`"
+    );
+}
+
+/// Random values with block-varying magnitudes and specials sprinkled in.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut g = Generator::new(seed);
+    let mut z = vec![0f32; n];
+    g.fill_normal(&mut z, 0.0, 1.0);
+    let mut w = vec![0u32; n];
+    g.fill_u32(&mut w);
+    let specials = [
+        f32::NAN,
+        -f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        1e-42,
+        -3e38,
+        3e38,
+        1e-30,
+    ];
+    z.iter()
+        .zip(&w)
+        .enumerate()
+        .map(|(i, (&v, &r))| {
+            if r % 97 == 0 {
+                specials[(r as usize / 97) % specials.len()]
+            } else {
+                // magnitudes from 2^-20 to 2^20, changing every 64 elements
+                v * 2f32.powi(((i / 64) as i32 * 7 % 41) - 20)
+            }
+        })
+        .collect()
+}
+
+fn input(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v = values(n, seed);
+    match dtype {
+        DType::F32 => Tensor::from_slice(&v, shape, Device::Cpu),
+        DType::BF16 => Tensor::from_slice(
+            &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
+            shape,
+            Device::Cpu,
+        ),
+        DType::F16 => Tensor::from_slice(
+            &v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
+            shape,
+            Device::Cpu,
+        ),
+        _ => unreachable!(),
+    }
+    .unwrap()
+}
+
+/// Shapes covering vector widths, tile edges (64) and ragged sizes.
+const SHAPES: &[&[usize]] = &[
+    &[1],
+    &[7],
+    &[16],
+    &[1, 33],
+    &[3, 5],
+    &[64, 64],
+    &[65, 63],
+    &[128, 256],
+    &[2, 3, 40],
+    &[257, 129],
+    &[1000, 24],
+    &[512, 1030],
+];
+
+fn assert_same(gpu: &QuantizedTensor, cpu: &QuantizedTensor, what: &str) {
+    assert_eq!(
+        gpu.device(),
+        GPU,
+        "{what}: GPU result must stay on the device"
+    );
+    assert_eq!(gpu.shape(), cpu.shape(), "{what}");
+    let g = gpu.data_tensors();
+    let c = cpu.data_tensors();
+    assert_eq!(
+        g.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
+        c.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
+        "{what}: buffer lists"
+    );
+    for ((name, gt), (_, ct)) in g.iter().zip(&c) {
+        assert_eq!(gt.dtype(), ct.dtype(), "{what}: {name} dtype");
+        assert_eq!(gt.shape(), ct.shape(), "{what}: {name} shape");
+        let (gb, cb) = (gt.to_bytes().unwrap(), ct.to_bytes().unwrap());
+        if gb != cb {
+            let i = gb.iter().zip(&cb).position(|(a, b)| a != b).unwrap();
+            panic!(
+                "{what}: buffer {name} differs first at byte {i}: gpu {:#04x} cpu {:#04x}",
+                gb[i], cb[i]
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn fp8_current_scaling_matches_the_cpu() {
+    require_gpu();
+    let mut seed = 1;
+    for &shape in SHAPES {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+                for usage in [Usage::Rowwise, Usage::Columnwise, Usage::Both] {
+                    for pow2 in [false, true] {
+                        seed += 1;
+                        let x = input(shape, dtype, seed);
+                        let mut q = Fp8CurrentScaling::new(format)
+                            .with_usage(usage)
+                            .with_pow2_scales(pow2);
+                        let cpu = q.quantize(&x).unwrap();
+                        let gpu = q.quantize(&x.to_device(GPU).unwrap()).unwrap();
+                        let what =
+                            format!("current {shape:?} {dtype} {format:?} {usage:?} pow2={pow2}");
+                        assert_same(&gpu, &cpu, &what);
+                        for u in [Usage::Rowwise, Usage::Columnwise] {
+                            if (u == Usage::Rowwise && !usage.rowwise())
+                                || (u == Usage::Columnwise && !usage.columnwise())
+                            {
+                                continue;
+                            }
+                            for out in [DType::F32, DType::BF16, DType::F16] {
+                                let d_cpu =
+                                    cpu.dequantize_usage(u, out).unwrap().to_bytes().unwrap();
+                                let d_gpu = gpu.dequantize_usage(u, out).unwrap();
+                                assert_eq!(d_gpu.device(), GPU);
+                                assert_eq!(
+                                    d_gpu.to_bytes().unwrap(),
+                                    d_cpu,
+                                    "{what}: dequantize {u:?} to {out}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn fp8_all_zero_and_all_nan_inputs() {
+    require_gpu();
+    for v in [0.0f32, f32::NAN, f32::INFINITY] {
+        let x = Tensor::from_slice(&vec![v; 300], [10, 30], Device::Cpu).unwrap();
+        let mut q = Fp8CurrentScaling::new(Fp8Format::E4M3);
+        let cpu = q.quantize(&x).unwrap();
+        let gpu = q.quantize(&x.to_device(GPU).unwrap()).unwrap();
+        assert_same(&gpu, &cpu, &format!("constant {v}"));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn fp8_delayed_scaling_matches_the_cpu_and_records_amax() {
+    require_gpu();
+    for (i, &shape) in SHAPES.iter().enumerate() {
+        let x = input(shape, DType::BF16, 100 + i as u64);
+        let mk = || {
+            Fp8DelayedScaling::new(Fp8Format::E4M3, 8)
+                .unwrap()
+                .with_scale(3.5)
+                .unwrap()
+        };
+        let (mut qc, mut qg) = (mk(), mk());
+        let cpu = qc.quantize(&x).unwrap();
+        let gpu = qg.quantize(&x.to_device(GPU).unwrap()).unwrap();
+        assert_same(&gpu, &cpu, &format!("delayed {shape:?}"));
+        assert_eq!(
+            qg.state().history()[0].to_bits(),
+            qc.state().history()[0].to_bits(),
+            "{shape:?} recorded amax"
+        );
+        qc.update(None);
+        qg.update(None);
+        assert_eq!(qg.state(), qc.state());
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn layout_helpers_match_the_cpu() {
+    require_gpu();
+    use tessera_quant::cuda::layout as dl;
+    use tessera_quant::layout as hl;
+    let mut g = Generator::new(9);
+    for (world, rows, cols) in [(1, 3, 5), (2, 2, 3), (4, 17, 33), (3, 128, 4), (8, 5, 1)] {
+        let mut w = vec![0u32; world * rows * cols];
+        g.fill_u32(&mut w);
+        let t = Tensor::from_slice(&w, [world * rows, cols], Device::Cpu).unwrap();
+        let want = hl::swap_first_dims(&t, world).unwrap();
+        let got = dl::swap_first_dims(&t.to_device(GPU).unwrap(), world).unwrap();
+        assert_eq!(got.shape(), want.shape());
+        assert_eq!(
+            got.to_bytes().unwrap(),
+            want.to_bytes().unwrap(),
+            "swap {world} {rows} {cols}"
+        );
+    }
+    for (rows, cols, pr, pc) in [
+        (3, 5, 128, 8),
+        (128, 4, 128, 4),
+        (100, 30, 64, 16),
+        (1, 1, 4, 4),
+    ] {
+        let mut w = vec![0u32; rows * cols];
+        g.fill_u32(&mut w);
+        let bytes: Vec<u8> = w.iter().map(|&x| x as u8).collect();
+        let t = Tensor::from_bytes(&bytes, [rows, cols], DType::U8, Device::Cpu).unwrap();
+        let (vr, vc) = (rows.min(pr), cols.min(pc));
+        let stripped = hl::strip_padding(&bytes, cols, vr, vc, 1);
+        let want = hl::pad(&stripped, vr, vc, pr, pc, 1);
+        let got = dl::repad(&t.to_device(GPU).unwrap(), vr, vc, pr, pc).unwrap();
+        assert_eq!(
+            got.to_bytes().unwrap(),
+            want,
+            "repad {rows}x{cols} -> {pr}x{pc}"
+        );
+        let tt = dl::transpose_bytes(&t.to_device(GPU).unwrap(), rows, cols).unwrap();
+        assert_eq!(
+            tt.to_bytes().unwrap(),
+            hl::transpose(&bytes, rows, cols),
+            "transpose {rows}x{cols}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn formats_without_kernels_refuse_cuda_inputs() {
+    require_gpu();
+    let x = input(&[64, 64], DType::BF16, 5).to_device(GPU).unwrap();
+    let err = tessera_quant::Mxfp8Quantizer::new(Fp8Format::E4M3)
+        .quantize(&x)
+        .unwrap_err();
+    assert!(err.to_string().contains("no CUDA kernel yet"), "{err}");
+    let q = Fp8CurrentScaling::new(Fp8Format::E4M3)
+        .quantize(&x)
+        .unwrap();
+    assert!(q.buffer(BufferName::Data).is_some());
+}
+
+#[test]
+fn committed_ptx_is_fresh() {
+    let src = [
+        include_str!("../kernels/fp8.cu"),
+        include_str!("../kernels/common.cuh"),
+    ]
+    .concat();
+    tessera_core::kernels::check_ptx_fresh(
+        "crates/quant/kernels/fp8.cu",
+        &src,
+        include_str!("../kernels/ptx/fp8.ptx"),
+    )
+    .unwrap();
+}
