@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use anyhow::{Context, Result, bail};
 
 /// `(package, bench target)` of every GPU benchmark (`harness = false`, takes `--json`).
-pub(crate) const GPU_BENCHES: &[(&str, &str)] = &[("tessera-rng", "gpu")];
+pub(crate) const GPU_BENCHES: &[(&str, &str)] = &[("tessera-rng", "gpu"), ("tessera-quant", "gpu")];
 
 /// Builds the release test binaries of the workspace with all features into
 /// `dir/bin` and writes `dir/run-tests.sh`, which runs each binary's ignored (GPU)

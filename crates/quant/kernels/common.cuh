@@ -90,3 +90,56 @@ __device__ __forceinline__ float scale_from_amax(float amax, float fp8_max, bool
     if (pow2) scale = __uint_as_float(__float_as_uint(scale) & 0xFF800000u);
     return scale;
 }
+
+// ---- E8M0 and layouts ----------------------------------------------------------------
+
+// TE's float_to_e8m0 for a non-negative value (spec/formats.md 2.3).
+__device__ __forceinline__ uint8_t float_to_e8m0(float v) {
+    if (isnan(v)) return 0xFF;
+    const uint32_t bits = __float_as_uint(fabsf(v));
+    uint32_t e = bits >> 23;
+    const uint32_t m = bits & 0x7FFFFFu;
+    if (e == 0xFF) return 0xFE;
+    if (m > 0 && e != 0xFE && !(e == 0 && m <= 0x400000u)) e += 1;
+    return (uint8_t)e;
+}
+
+// 2^(127 - e): the multiplier of a block with E8M0 scale e (TE's exp2f_rcp).
+__device__ __forceinline__ float e8m0_reciprocal(uint8_t e) {
+    if (e == 255) return __uint_as_float(0x7FFFFFFFu);
+    if (e == 254) return __uint_as_float(0x00400000u);
+    return __uint_as_float((254u - e) << 23);
+}
+
+// 2^(e - 127) (code 0 is the subnormal 2^-127).
+__device__ __forceinline__ float e8m0_value(uint8_t e) {
+    if (e == 0) return __uint_as_float(0x00400000u);
+    if (e == 255) return __uint_as_float(0x7FFFFFFFu);
+    return __uint_as_float((uint32_t)e << 23);
+}
+
+// Byte (i, j) of a padded [rows, cols] scale grid in cuBLAS's swizzled layout.
+__device__ __forceinline__ u64 swizzled_index(u64 i, u64 j, u64 cols) {
+    const u64 tile = (i / 128) * (cols / 4) + j / 4;
+    const u64 r = i % 128;
+    return tile * 512 + (r % 32) * 16 + (r / 32) * 4 + j % 4;
+}
+
+// Loads 16 consecutive elements of T starting at p (16-byte aligned) as floats.
+template <class T> __device__ __forceinline__ void load16(const T* p, float* v) {
+    constexpr int V = 16 / sizeof(T);
+    constexpr int L = 16 / V;
+    union { uint4 u[L]; T e[16]; } b;
+#pragma unroll
+    for (int l = 0; l < L; ++l) b.u[l] = reinterpret_cast<const uint4*>(p)[l];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) v[j] = In<T>::f32(b.e[j]);
+}
+
+// 16 floats times s, to 16 FP8 bytes.
+template <bool E4M3> __device__ __forceinline__ uint4 fp8x16(const float* v, float s) {
+    union { uint4 u; uint16_t h[8]; } o;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o.h[j] = fp8x2<E4M3>(__fmul_rn(v[2 * j], s), __fmul_rn(v[2 * j + 1], s));
+    return o.u;
+}

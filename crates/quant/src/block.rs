@@ -224,8 +224,25 @@ impl Quantizer for Fp8BlockQuantizer {
         self.check_shape(shape)?;
         crate::make_empty_from_specs(self.kind(), self.usage, shape, dtype, device)
     }
+    fn quantize_into(&mut self, x: &Tensor, out: &mut QuantizedTensor) -> Result<()> {
+        crate::check_into("Quantizer::quantize_into", &self.kind(), x, out)?;
+        if x.device().is_cuda() {
+            check_input("Fp8BlockQuantizer::quantize", x)?;
+            #[cfg(feature = "cuda")]
+            return crate::cuda::block::quantize_into(x, &self.params(x.dtype()), self.dim, out);
+            #[cfg(not(feature = "cuda"))]
+            return Err(Error::no_cuda_feature("quantizing a CUDA tensor"));
+        }
+        let q = self.quantize(x)?;
+        out.replace_buffers(q)
+    }
     fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
         const OP: &str = "Fp8BlockQuantizer::quantize";
+        if x.device().is_cuda() {
+            let mut out = self.make_empty(x.shape(), x.dtype(), x.device())?;
+            self.quantize_into(x, &mut out)?;
+            return Ok(out);
+        }
         let (m, k) = check_input(OP, x)?;
         let v = to_f32(OP, x)?;
         let p = self.params(x.dtype());

@@ -157,7 +157,7 @@ impl Fp8CurrentScaling {
 impl Fp8CurrentScaling {
     /// amax, scale and cast on the device; only an amax reduction reads the amax back.
     #[cfg(feature = "cuda")]
-    fn quantize_cuda(&self, x: &Tensor) -> Result<QuantizedTensor> {
+    fn quantize_into_cuda(&self, x: &Tensor, out: &mut QuantizedTensor) -> Result<()> {
         use crate::cuda::fp8 as k;
         check_input("Fp8CurrentScaling::quantize", x)?;
         let amax = k::amax(x)?;
@@ -185,11 +185,11 @@ impl Fp8CurrentScaling {
                 Tensor::from_slice(&[s], [1], x.device())?
             }
         };
-        k::cast(x, &scale, self.format, self.usage, None)
+        k::cast_into(x, &scale, self.format, out, None)
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn quantize_cuda(&self, _x: &Tensor) -> Result<QuantizedTensor> {
+    fn quantize_into_cuda(&self, _x: &Tensor, _out: &mut QuantizedTensor) -> Result<()> {
         Err(Error::no_cuda_feature("quantizing a CUDA tensor"))
     }
 }
@@ -228,9 +228,19 @@ impl Quantizer for Fp8CurrentScaling {
         self.check_shape(shape)?;
         crate::make_empty_from_specs(self.kind(), self.usage, shape, dtype, device)
     }
+    fn quantize_into(&mut self, x: &Tensor, out: &mut QuantizedTensor) -> Result<()> {
+        crate::check_into("Quantizer::quantize_into", &self.kind(), x, out)?;
+        if x.device().is_cuda() {
+            return self.quantize_into_cuda(x, out);
+        }
+        let q = self.quantize(x)?;
+        out.replace_buffers(q)
+    }
     fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
         if x.device().is_cuda() {
-            return self.quantize_cuda(x);
+            let mut out = self.make_empty(x.shape(), x.dtype(), x.device())?;
+            self.quantize_into(x, &mut out)?;
+            return Ok(out);
         }
         let scale = self.scale_for(x)?;
         Ok(quantize_with_scale(
@@ -457,9 +467,19 @@ impl Quantizer for Fp8DelayedScaling {
         self.check_shape(shape)?;
         crate::make_empty_from_specs(self.kind(), self.usage, shape, dtype, device)
     }
+    fn quantize_into(&mut self, x: &Tensor, out: &mut QuantizedTensor) -> Result<()> {
+        crate::check_into("Quantizer::quantize_into", &self.kind(), x, out)?;
+        if x.device().is_cuda() {
+            return self.quantize_into_cuda(x, out);
+        }
+        let q = self.quantize(x)?;
+        out.replace_buffers(q)
+    }
     fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
         if x.device().is_cuda() {
-            return self.quantize_cuda(x);
+            let mut out = self.make_empty(x.shape(), x.dtype(), x.device())?;
+            self.quantize_into(x, &mut out)?;
+            return Ok(out);
         }
         let (qt, amax) = quantize_with_scale(
             "Fp8DelayedScaling::quantize",
@@ -479,20 +499,20 @@ impl Fp8DelayedScaling {
     /// The cast on the device with the host-held scale; recording the amax into the
     /// host-held history reads one float back.
     #[cfg(feature = "cuda")]
-    fn quantize_cuda(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
+    fn quantize_into_cuda(&mut self, x: &Tensor, out: &mut QuantizedTensor) -> Result<()> {
         use crate::cuda::fp8 as k;
         check_input("Fp8DelayedScaling::quantize", x)?;
         let scale = Tensor::from_slice(&[self.state.scale], [1], x.device())?;
         let mut amax = Tensor::zeros([1], DType::F32, x.device())?;
-        let qt = k::cast(x, &scale, self.format, self.usage, Some(&mut amax))?;
+        k::cast_into(x, &scale, self.format, out, Some(&mut amax))?;
         if self.record {
             self.state.record_amax(amax.to_vec::<f32>()?[0]);
         }
-        Ok(qt)
+        Ok(())
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn quantize_cuda(&mut self, _x: &Tensor) -> Result<QuantizedTensor> {
+    fn quantize_into_cuda(&mut self, _x: &Tensor, _out: &mut QuantizedTensor) -> Result<()> {
         Err(Error::no_cuda_feature("quantizing a CUDA tensor"))
     }
 }

@@ -81,8 +81,42 @@ pub trait Quantizer: Send {
     /// of this quantizer's usage; `dtype` is the high-precision type it stands for.
     fn make_empty(&self, shape: &Shape, dtype: DType, device: Device) -> Result<QuantizedTensor>;
 
-    /// Quantizes a host f32/bf16/f16 tensor.
+    /// Quantizes an f32/bf16/f16 tensor on the host or (feature `cuda`, for the formats
+    /// with kernels) on its CUDA device, where the result stays.
     fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor>;
+
+    /// Quantizes into the buffers of `out` (from [`make_empty`](Self::make_empty) with
+    /// this quantizer's usage, on `x`'s device). CUDA kernels write `out`'s buffers in
+    /// place; the default implementation quantizes and replaces them.
+    fn quantize_into(&mut self, x: &Tensor, out: &mut QuantizedTensor) -> Result<()> {
+        check_into("Quantizer::quantize_into", &self.kind(), x, out)?;
+        let q = self.quantize(x)?;
+        out.replace_buffers(q)
+    }
+}
+
+/// Checks that `out` can receive the quantization of `x` in format `kind`.
+pub(crate) fn check_into(
+    op: &'static str,
+    kind: &Kind,
+    x: &Tensor,
+    out: &QuantizedTensor,
+) -> Result<()> {
+    if out.kind() != *kind || out.shape() != x.shape() || out.device() != x.device() {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "the output is a {:?} tensor of shape {} on {}, the input needs a {:?} tensor of shape {} on {}",
+                out.kind(),
+                out.shape(),
+                out.device(),
+                kind,
+                x.shape(),
+                x.device()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The hook per-tensor formats use to agree on one amax across a process group: the

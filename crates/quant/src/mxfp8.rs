@@ -262,8 +262,31 @@ impl Quantizer for Mxfp8Quantizer {
         self.check_shape(shape)?;
         crate::make_empty_from_specs(self.kind(), self.usage, shape, dtype, device)
     }
+    fn quantize_into(&mut self, x: &Tensor, out: &mut QuantizedTensor) -> Result<()> {
+        crate::check_into("Quantizer::quantize_into", &self.kind(), x, out)?;
+        if x.device().is_cuda() {
+            self.check_shape(x.shape())?;
+            #[cfg(feature = "cuda")]
+            return crate::cuda::mxfp8::quantize_into(
+                x,
+                self.format,
+                self.two_d,
+                self.swizzled,
+                out,
+            );
+            #[cfg(not(feature = "cuda"))]
+            return Err(Error::no_cuda_feature("quantizing a CUDA tensor"));
+        }
+        let q = self.quantize(x)?;
+        out.replace_buffers(q)
+    }
     fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
         const OP: &str = "Mxfp8Quantizer::quantize";
+        if x.device().is_cuda() {
+            let mut out = self.make_empty(x.shape(), x.dtype(), x.device())?;
+            self.quantize_into(x, &mut out)?;
+            return Ok(out);
+        }
         let (m, k) = check_input(OP, x)?;
         self.check_shape(x.shape())?;
         let v = to_f32(OP, x)?;

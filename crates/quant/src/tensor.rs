@@ -300,6 +300,48 @@ impl QuantizedTensor {
         self.buffers.iter().map(|(n, t)| (*n, t)).collect()
     }
 
+    /// Replaces every buffer with `src`'s, which must have the same format, shape and
+    /// buffer set; the buffers move to this tensor's device.
+    pub fn replace_buffers(&mut self, src: QuantizedTensor) -> Result<()> {
+        let names = |q: &QuantizedTensor| q.buffers.keys().copied().collect::<Vec<_>>();
+        if src.kind != self.kind || src.shape != self.shape || names(&src) != names(self) {
+            return Err(Error::invalid(
+                "QuantizedTensor::replace_buffers",
+                format!(
+                    "{:?} {} with {:?} cannot replace {:?} {} with {:?}",
+                    src.kind,
+                    src.shape,
+                    names(&src),
+                    self.kind,
+                    self.shape,
+                    names(self)
+                ),
+            ));
+        }
+        let device = self.device();
+        for (name, t) in src.buffers {
+            self.buffers.insert(name, t.to_device(device)?);
+        }
+        self.source_dtype = src.source_dtype;
+        Ok(())
+    }
+
+    /// Removes a buffer so a kernel can write it with unique ownership (no
+    /// copy-on-write); [`put_buffer`](Self::put_buffer) returns it. After an error in
+    /// between, the tensor is incomplete and must not be used.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn take_buffer(&mut self, name: BufferName) -> Result<Tensor> {
+        self.buffers
+            .remove(&name)
+            .ok_or_else(|| crate::fp8::missing(name))
+    }
+
+    /// Puts back a buffer taken with [`take_buffer`](Self::take_buffer).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn put_buffer(&mut self, name: BufferName, t: Tensor) {
+        self.buffers.insert(name, t);
+    }
+
     /// Consumes the tensor, returning its buffers.
     pub fn into_buffers(self) -> BTreeMap<BufferName, Tensor> {
         self.buffers
@@ -377,14 +419,29 @@ impl QuantizedTensor {
                 };
                 crate::cuda::fp8::dequantize(&data, scale_inv, format, dtype)
             }
-            other => Err(Error::device(
-                "QuantizedTensor::dequantize",
-                format!(
-                    "cpu ({} dequantization has no CUDA kernel yet; copy the tensor with to_device(Device::Cpu))",
-                    other.name()
-                ),
-                self.device(),
-            )),
+            Kind::Mxfp8 {
+                format, swizzled, ..
+            } => crate::cuda::mxfp8::dequantize(
+                self,
+                format,
+                swizzled,
+                usage == Usage::Columnwise,
+                dtype,
+            ),
+            Kind::Fp8Block { format, block_dim } => crate::cuda::block::dequantize(
+                self,
+                format,
+                block_dim,
+                usage == Usage::Columnwise,
+                dtype,
+            ),
+            Kind::Nvfp4 { rht, swizzled, .. } => crate::cuda::nvfp4::dequantize(
+                self,
+                rht,
+                swizzled,
+                usage == Usage::Columnwise,
+                dtype,
+            ),
         }
     }
 

@@ -11,7 +11,7 @@ pub(crate) fn to_f32<'a>(op: &'static str, x: &'a Tensor) -> Result<Cow<'a, [f32
     if x.device() != Device::Cpu {
         return Err(Error::device(
             op,
-            "cpu (this quantizer has no CUDA kernel yet; copy the input with to_device(Device::Cpu))",
+            "cpu (the CPU reference reads host tensors)",
             x.device(),
         ));
     }

@@ -4,10 +4,13 @@
 #![cfg(feature = "cuda")]
 
 use half::{bf16, f16};
+use std::collections::BTreeMap;
 use tessera_core::cuda::is_available;
 use tessera_core::{DType, Device, Tensor};
+
 use tessera_quant::{
-    BufferName, Fp8CurrentScaling, Fp8DelayedScaling, Fp8Format, QuantizedTensor, Quantizer, Usage,
+    BlockDim, BufferName, Fp8BlockQuantizer, Fp8CurrentScaling, Fp8DelayedScaling, Fp8Format,
+    Mxfp8Quantizer, Nvfp4Quantizer, QuantizedTensor, Quantizer, Usage,
 };
 use tessera_rng::Generator;
 
@@ -117,6 +120,142 @@ fn assert_same(gpu: &QuantizedTensor, cpu: &QuantizedTensor, what: &str) {
     }
 }
 
+/// An output for `q` on the GPU whose every byte is 0xA5, so a byte the kernels leave
+/// unwritten shows up in the comparison.
+fn poisoned_output(q: &dyn Quantizer, x: &Tensor) -> QuantizedTensor {
+    let empty = q.make_empty(x.shape(), x.dtype(), GPU).unwrap();
+    let buffers: BTreeMap<_, _> = empty
+        .data_tensors()
+        .into_iter()
+        .map(|(n, t)| {
+            (
+                n,
+                Tensor::filled_with_byte(t.shape(), t.dtype(), GPU, 0xA5).unwrap(),
+            )
+        })
+        .collect();
+    QuantizedTensor::from_buffers(empty.kind(), empty.shape().clone(), x.dtype(), buffers).unwrap()
+}
+
+/// Quantizes on the CPU, on the GPU, and on the GPU into a poisoned output; all three
+/// must agree byte for byte, and so must the dequantized values of each orientation.
+///
+/// Each call quantizes with a clone of `q`, so quantizers whose state advances per call
+/// (NVFP4's stochastic-rounding generator) draw the same bits every time.
+fn check_quantizer<Q: Quantizer + Clone>(q: &mut Q, x: &Tensor, what: &str) {
+    let cpu = q.clone().quantize(x).unwrap();
+    let xd = x.to_device(GPU).unwrap();
+    let gpu = q.clone().quantize(&xd).unwrap();
+    assert_same(&gpu, &cpu, what);
+    let mut q = q.clone();
+    let mut out = poisoned_output(&q, x);
+    q.quantize_into(&xd, &mut out).unwrap();
+    assert_same(&out, &cpu, &format!("{what} (into poisoned output)"));
+    for u in [Usage::Rowwise, Usage::Columnwise] {
+        let has = match u {
+            Usage::Rowwise => cpu.buffer(BufferName::Data).is_some(),
+            _ => cpu.buffer(BufferName::ColumnwiseData).is_some(),
+        };
+        if !has {
+            continue;
+        }
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            let d_cpu = cpu.dequantize_usage(u, dt).unwrap().to_bytes().unwrap();
+            let d_gpu = gpu.dequantize_usage(u, dt).unwrap();
+            assert_eq!(d_gpu.device(), GPU);
+            assert_eq!(
+                d_gpu.to_bytes().unwrap(),
+                d_cpu,
+                "{what}: dequantize {u:?} to {dt}"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn mxfp8_matches_the_cpu() {
+    require_gpu();
+    let shapes: &[&[usize]] = &[
+        &[32, 32],
+        &[64, 96],
+        &[96, 160],
+        &[128, 256],
+        &[2, 48, 64],
+        &[256, 32],
+        &[320, 416],
+    ];
+    let mut seed = 500;
+    for &shape in shapes {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+                for two_d in [false, true] {
+                    for swizzled in [false, true] {
+                        for usage in [Usage::Rowwise, Usage::Columnwise, Usage::Both] {
+                            seed += 1;
+                            let x = input(shape, dtype, seed);
+                            let mut q = Mxfp8Quantizer::new(format)
+                                .with_2d(two_d)
+                                .with_swizzled_scales(swizzled)
+                                .with_usage(usage);
+                            let what = format!(
+                                "mxfp8 {shape:?} {dtype} {format:?} 2d={two_d} swizzled={swizzled} {usage:?}"
+                            );
+                            check_quantizer(&mut q, &x, &what);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn fp8_block_scaling_matches_the_cpu() {
+    require_gpu();
+    let shapes: &[&[usize]] = &[
+        &[1],
+        &[7],
+        &[3, 5],
+        &[128, 128],
+        &[129, 130],
+        &[200, 300],
+        &[256, 512],
+        &[2, 70, 130],
+        &[1, 1000],
+    ];
+    let mut seed = 900;
+    for &shape in shapes {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+                for dim in [BlockDim::OneD, BlockDim::TwoD] {
+                    for pow2 in [true, false] {
+                        for usage in [Usage::Rowwise, Usage::Columnwise, Usage::Both] {
+                            seed += 1;
+                            let x = input(shape, dtype, seed);
+                            let mut q = Fp8BlockQuantizer::new(format, dim)
+                                .with_pow2_scales(pow2)
+                                .with_usage(usage);
+                            let what = format!(
+                                "fp8-block {shape:?} {dtype} {format:?} {dim:?} pow2={pow2} {usage:?}"
+                            );
+                            check_quantizer(&mut q, &x, &what);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // amax epsilon
+    let x = input(&[130, 260], DType::BF16, 3);
+    check_quantizer(
+        &mut Fp8BlockQuantizer::new(Fp8Format::E4M3, BlockDim::OneD).with_amax_epsilon(0.5),
+        &x,
+        "fp8-block eps",
+    );
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn fp8_current_scaling_matches_the_cpu() {
@@ -132,6 +271,9 @@ fn fp8_current_scaling_matches_the_cpu() {
                         let mut q = Fp8CurrentScaling::new(format)
                             .with_usage(usage)
                             .with_pow2_scales(pow2);
+                        let what =
+                            format!("current {shape:?} {dtype} {format:?} {usage:?} pow2={pow2}");
+                        check_quantizer(&mut q, &x, &what);
                         let cpu = q.quantize(&x).unwrap();
                         let gpu = q.quantize(&x.to_device(GPU).unwrap()).unwrap();
                         let what =
@@ -252,30 +394,107 @@ fn layout_helpers_match_the_cpu() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
-fn formats_without_kernels_refuse_cuda_inputs() {
+fn nvfp4_matches_the_cpu() {
+    require_gpu();
+    let shapes: &[&[usize]] = &[
+        &[16, 16],
+        &[32, 48],
+        &[48, 80],
+        &[64, 64],
+        &[80, 144],
+        &[2, 24, 32],
+        &[128, 256],
+        &[144, 16],
+    ];
+    let mut seed = 1300;
+    for &shape in shapes {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for two_d in [false, true] {
+                for rht in [false, true] {
+                    for swizzled in [false, true] {
+                        for sr in [false, true] {
+                            for usage in [Usage::Rowwise, Usage::Columnwise, Usage::Both] {
+                                seed += 1;
+                                let x = input(shape, dtype, seed);
+                                let mut q = Nvfp4Quantizer::new()
+                                    .with_2d(two_d)
+                                    .with_rht(rht)
+                                    .with_swizzled_scales(swizzled)
+                                    .with_stochastic_rounding(sr.then(|| Generator::new(seed)))
+                                    .with_usage(usage);
+                                let what = format!(
+                                    "nvfp4 {shape:?} {dtype} 2d={two_d} rht={rht} swizzled={swizzled} sr={sr} {usage:?}"
+                                );
+                                check_quantizer(&mut q, &x, &what);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn stochastic_rounding_advances_the_generator_like_the_cpu() {
+    require_gpu();
+    let x = input(&[64, 48], DType::BF16, 77);
+    let mut cpu = Nvfp4Quantizer::new().with_stochastic_rounding(Some(Generator::new(5)));
+    let mut gpu = cpu.clone();
+    let xd = x.to_device(GPU).unwrap();
+    for round in 0..3 {
+        let a = cpu.quantize(&x).unwrap();
+        let b = gpu.quantize(&xd).unwrap();
+        assert_same(&b, &a, &format!("round {round}"));
+        assert_eq!(
+            cpu.generator().unwrap().state(),
+            gpu.generator().unwrap().state()
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn cuda_results_stay_on_the_device() {
     require_gpu();
     let x = input(&[64, 64], DType::BF16, 5).to_device(GPU).unwrap();
-    let err = tessera_quant::Mxfp8Quantizer::new(Fp8Format::E4M3)
-        .quantize(&x)
-        .unwrap_err();
-    assert!(err.to_string().contains("no CUDA kernel yet"), "{err}");
+    let q = Nvfp4Quantizer::new().quantize(&x).unwrap();
+    for (name, t) in q.data_tensors() {
+        assert_eq!(t.device(), GPU, "{name}");
+    }
     let q = Fp8CurrentScaling::new(Fp8Format::E4M3)
         .quantize(&x)
         .unwrap();
     assert!(q.buffer(BufferName::Data).is_some());
+    assert_eq!(q.dequantize(DType::BF16).unwrap().device(), GPU);
 }
 
 #[test]
 fn committed_ptx_is_fresh() {
-    let src = [
-        include_str!("../kernels/fp8.cu"),
-        include_str!("../kernels/common.cuh"),
-    ]
-    .concat();
-    tessera_core::kernels::check_ptx_fresh(
-        "crates/quant/kernels/fp8.cu",
-        &src,
-        include_str!("../kernels/ptx/fp8.ptx"),
-    )
-    .unwrap();
+    let common = include_str!("../kernels/common.cuh");
+    for (name, cu, ptx) in [
+        (
+            "fp8.cu",
+            include_str!("../kernels/fp8.cu"),
+            include_str!("../kernels/ptx/fp8.ptx"),
+        ),
+        (
+            "mxfp8.cu",
+            include_str!("../kernels/mxfp8.cu"),
+            include_str!("../kernels/ptx/mxfp8.ptx"),
+        ),
+        (
+            "block.cu",
+            include_str!("../kernels/block.cu"),
+            include_str!("../kernels/ptx/block.ptx"),
+        ),
+        (
+            "nvfp4.cu",
+            include_str!("../kernels/nvfp4.cu"),
+            include_str!("../kernels/ptx/nvfp4.ptx"),
+        ),
+    ] {
+        tessera_core::kernels::check_ptx_fresh(name, &[cu, common].concat(), ptx).unwrap();
+    }
 }

@@ -1,14 +1,12 @@
 //! Per-tensor FP8 on the device.
 
-use std::collections::BTreeMap;
-
 use cudarc::driver::PushKernelArg;
 use tessera_core::cuda::{CudaDevice, grid_1d};
 use tessera_core::{DType, Device, Result, Tensor};
 
 use super::{BLOCK, FP8_PTX, device_of, dtype_suffix, format_suffix, launch, tiles_64};
-use crate::values::{check_input, transposed_shape};
-use crate::{BufferName, Fp8Format, Kind, QuantizedTensor, Usage};
+use crate::values::check_input;
+use crate::{BufferName, Fp8Format, QuantizedTensor};
 
 /// NaN-ignoring `max |x|` of a CUDA tensor into a new device `f32 [1]`.
 pub(crate) fn amax(x: &Tensor) -> Result<Tensor> {
@@ -66,34 +64,34 @@ pub(crate) fn scale_from_amax(
     Ok(scale)
 }
 
-/// Casts `x` with the device scale `scale` (`f32 [1]`), producing `usage`'s buffers;
-/// `amax`, when given, collects `max |x|`.
-pub(crate) fn cast(
+/// Casts `x` with the device scale `scale` (`f32 [1]`) into `out`'s buffers (its usage
+/// decides which); `amax`, when given, collects `max |x|`.
+pub(crate) fn cast_into(
     x: &Tensor,
     scale: &Tensor,
     format: Fp8Format,
-    usage: Usage,
+    out: &mut QuantizedTensor,
     amax: Option<&mut Tensor>,
-) -> Result<QuantizedTensor> {
+) -> Result<()> {
     const OP: &str = "cuda fp8 cast";
     let (m, k) = check_input(OP, x)?;
     let dev = device_of(x)?;
-    let device = x.device();
     let sfx = dtype_suffix(OP, x.dtype())?;
     let fmt = format_suffix(format);
-    let mut scale_inv = Tensor::empty([1], DType::F32, device)?;
-    let mut buffers = BTreeMap::new();
+    let usage = out.usage();
     let null = 0u64;
-    let amax_ptr: Option<&mut cudarc::driver::CudaSlice<u8>> = match amax {
+    let amax_ptr = match amax {
         Some(a) => Some(a.cuda_slice_mut()?),
         None => None,
     };
+    let mut scale_inv = out.take_buffer(BufferName::ScaleInv)?;
+    let sis = scale_inv.cuda_slice_mut()?;
     if usage.columnwise() {
-        let mut q = usage
-            .rowwise()
-            .then(|| Tensor::empty(x.shape(), format.dtype(), device))
-            .transpose()?;
-        let mut qt = Tensor::empty(transposed_shape(x.shape()), format.dtype(), device)?;
+        let mut q = match usage.rowwise() {
+            true => Some(out.take_buffer(BufferName::Data)?),
+            false => None,
+        };
+        let mut qt = out.take_buffer(BufferName::ColumnwiseData)?;
         let f = dev.function(&FP8_PTX, &format!("tessera_fp8_cast_transpose_{sfx}_{fmt}"))?;
         let cfg = tiles_64(m, k)?;
         let (mu, ku) = (m as u64, k as u64);
@@ -103,7 +101,6 @@ pub(crate) fn cast(
                 None => None,
             };
             let qts = qt.cuda_slice_mut()?;
-            let sis = scale_inv.cuda_slice_mut()?;
             // SAFETY: (const T* x, u8* q, u8* qt, u64 m, u64 k, const float* scale, float*
             // scale_inv, float* amax): x is [m, k] of T, q [m, k] bytes or null, qt [k, m]
             // bytes, scale/scale_inv/amax one float each (amax may be null).
@@ -126,18 +123,17 @@ pub(crate) fn cast(
                 })
             }?;
         }
-        buffers.insert(BufferName::ColumnwiseData, qt);
+        out.put_buffer(BufferName::ColumnwiseData, qt);
         if let Some(q) = q {
-            buffers.insert(BufferName::Data, q);
+            out.put_buffer(BufferName::Data, q);
         }
     } else {
-        let mut q = Tensor::empty(x.shape(), format.dtype(), device)?;
+        let mut q = out.take_buffer(BufferName::Data)?;
         let f = dev.function(&FP8_PTX, &format!("tessera_fp8_cast_{sfx}_{fmt}"))?;
         let n = x.numel() as u64;
         let cfg = grid_1d(&dev, x.numel().div_ceil(16), BLOCK)?;
         {
             let qs = q.cuda_slice_mut()?;
-            let sis = scale_inv.cuda_slice_mut()?;
             // SAFETY: (const T* x, u8* q, u64 n, const float* scale, float* scale_inv,
             // float* amax): x holds n elements of T, q n bytes; 16-element steps read
             // 16-byte-aligned vectors (allocations are 256-byte aligned and steps start at
@@ -156,15 +152,11 @@ pub(crate) fn cast(
                 })
             }?;
         }
-        buffers.insert(BufferName::Data, q);
+        out.put_buffer(BufferName::Data, q);
     }
-    buffers.insert(BufferName::ScaleInv, scale_inv);
-    Ok(QuantizedTensor {
-        kind: Kind::Fp8 { format },
-        shape: x.shape().clone(),
-        source_dtype: x.dtype(),
-        buffers,
-    })
+    out.put_buffer(BufferName::ScaleInv, scale_inv);
+    out.source_dtype = x.dtype();
+    Ok(())
 }
 
 /// Dequantizes rowwise FP8 bytes `q` (any shape) with `scale_inv` into `dtype`.

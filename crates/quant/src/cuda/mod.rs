@@ -1,8 +1,11 @@
 //! The CUDA paths of the quantizers (feature `cuda`): the same bytes as the CPU
 //! reference, computed on the device, with no round trip through the host.
 
+pub(crate) mod block;
 pub(crate) mod fp8;
 pub mod layout;
+pub(crate) mod mxfp8;
+pub(crate) mod nvfp4;
 
 use cudarc::driver::{CudaFunction, LaunchArgs, LaunchConfig};
 use tessera_core::cuda::{CudaDevice, CudaResultExt};
@@ -15,6 +18,24 @@ use crate::Fp8Format;
 pub(crate) const FP8_PTX: PtxModule = PtxModule {
     name: "tessera_quant_fp8",
     ptx: include_str!("../../kernels/ptx/fp8.ptx"),
+};
+
+/// The compiled kernels of `kernels/mxfp8.cu`.
+pub(crate) const MXFP8_PTX: PtxModule = PtxModule {
+    name: "tessera_quant_mxfp8",
+    ptx: include_str!("../../kernels/ptx/mxfp8.ptx"),
+};
+
+/// The compiled kernels of `kernels/block.cu`.
+pub(crate) const BLOCK_PTX: PtxModule = PtxModule {
+    name: "tessera_quant_block",
+    ptx: include_str!("../../kernels/ptx/block.ptx"),
+};
+
+/// The compiled kernels of `kernels/nvfp4.cu`.
+pub(crate) const NVFP4_PTX: PtxModule = PtxModule {
+    name: "tessera_quant_nvfp4",
+    ptx: include_str!("../../kernels/ptx/nvfp4.ptx"),
 };
 
 /// Threads per block of every kernel here (their `__launch_bounds__`).

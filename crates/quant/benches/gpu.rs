@@ -1,0 +1,235 @@
+//! GPU benchmark of the quantization kernels (not a test): `cargo xtask bench-gpu`.
+//!
+//! For bf16 inputs of 16384x8192 and 4096x4096 it times, with CUDA events (median of
+//! `--iters` batches of 10 back-to-back launches), a device copy as the ceiling and each
+//! quantizer through `Quantizer::quantize_into` (outputs allocated once). GB/s counts the
+//! minimal traffic: the input read once plus every output byte written once; for current
+//! scaling the two-pass floor (input read twice) is reported too.
+
+use std::fmt::Write as _;
+
+use tessera_core::cuda::{CudaDevice, EventTimer, device};
+use tessera_core::{DType, Device, Result, Shape, Tensor, bf16};
+use tessera_quant::{
+    BlockDim, Fp8BlockQuantizer, Fp8CurrentScaling, Fp8DelayedScaling, Fp8Format, Mxfp8Quantizer,
+    Nvfp4Quantizer, QuantizedTensor, Quantizer, Usage,
+};
+use tessera_rng::Generator;
+
+const BATCH: usize = 10;
+
+fn time(dev: &CudaDevice, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..BATCH {
+        f()?;
+    }
+    let timer = EventTimer::new(dev)?;
+    let mut ms = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        timer.start()?;
+        for _ in 0..BATCH {
+            f()?;
+        }
+        timer.stop()?;
+        ms.push(f64::from(timer.elapsed_ms()?) / BATCH as f64);
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok(ms[ms.len() / 2])
+}
+
+struct Row {
+    shape: String,
+    name: String,
+    ms: f64,
+    bytes: usize,
+    floor_bytes: usize,
+}
+
+/// The rows measured so far and how to measure.
+struct Bench<'a> {
+    dev: &'a CudaDevice,
+    iters: usize,
+    rows: Vec<Row>,
+}
+
+impl Bench<'_> {
+    /// Times `q.quantize_into(x)` into outputs allocated once; `two_pass` marks formats
+    /// that must read the input twice (amax first), whose floor counts two reads.
+    fn quantizer(
+        &mut self,
+        x: &Tensor,
+        name: &str,
+        q: &mut dyn Quantizer,
+        two_pass: bool,
+    ) -> Result<()> {
+        let mut out: QuantizedTensor = q.make_empty(x.shape(), x.dtype(), x.device())?;
+        let out_bytes = out.size_in_bytes();
+        let ms = time(self.dev, self.iters, || q.quantize_into(x, &mut out))?;
+        let bytes = x.size_in_bytes() + out_bytes;
+        let floor_bytes = if two_pass {
+            bytes + x.size_in_bytes()
+        } else {
+            bytes
+        };
+        self.rows.push(Row {
+            shape: x.shape().to_string(),
+            name: name.into(),
+            ms,
+            bytes,
+            floor_bytes,
+        });
+        Ok(())
+    }
+}
+
+fn main() -> Result<()> {
+    let mut iters = 20;
+    let mut json_path = None;
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--iters" => iters = it.next().and_then(|v| v.parse().ok()).expect("--iters N"),
+            "--json" => json_path = it.next(),
+            "--bench" => {}
+            other => panic!("unknown argument {other}; expected --iters N, --json PATH"),
+        }
+    }
+    let dev = device(0)?;
+    let gpu = Device::Cuda(0);
+    let mut b = Bench {
+        dev: &dev,
+        iters,
+        rows: Vec::new(),
+    };
+    let mut copies = Vec::new();
+    for (m, k) in [(16384usize, 8192usize), (4096, 4096)] {
+        let shape = Shape::new([m, k]);
+        let mut z = vec![0f32; m * k];
+        Generator::new(1).fill_normal(&mut z, 0.0, 1.0);
+        let host: Vec<bf16> = z.iter().map(|&v| bf16::from_f32(v)).collect();
+        drop(z);
+        let x = Tensor::from_slice(&host, &shape, gpu)?;
+        let mut y = Tensor::empty(&shape, DType::BF16, gpu)?;
+        let stream = dev.stream().clone();
+        let copy_ms = time(&dev, b.iters, || {
+            let dst = y.cuda_slice_mut()?;
+            stream
+                .memcpy_dtod(x.cuda_slice()?, dst)
+                .map_err(|e| tessera_core::Error::Cuda {
+                    op: "copy",
+                    msg: e.to_string(),
+                })
+        })?;
+        copies.push((
+            shape.to_string(),
+            2.0 * x.size_in_bytes() as f64 / copy_ms / 1e6,
+        ));
+        b.rows.push(Row {
+            shape: shape.to_string(),
+            name: "device copy (read + write)".into(),
+            ms: copy_ms,
+            bytes: 2 * x.size_in_bytes(),
+            floor_bytes: 2 * x.size_in_bytes(),
+        });
+        drop(y);
+        let e4 = Fp8Format::E4M3;
+        for usage in [Usage::Rowwise, Usage::Both] {
+            let u = usage.name();
+            b.quantizer(
+                &x,
+                &format!("fp8 delayed cast {u}"),
+                &mut Fp8DelayedScaling::new(e4, 16)?.with_usage(usage),
+                false,
+            )?;
+            b.quantizer(
+                &x,
+                &format!("fp8 current scaling {u}"),
+                &mut Fp8CurrentScaling::new(e4).with_usage(usage),
+                true,
+            )?;
+            b.quantizer(
+                &x,
+                &format!("mxfp8 {u}"),
+                &mut Mxfp8Quantizer::new(e4).with_usage(usage),
+                false,
+            )?;
+            b.quantizer(
+                &x,
+                &format!("fp8 block 1x128 {u}"),
+                &mut Fp8BlockQuantizer::new(e4, BlockDim::OneD).with_usage(usage),
+                false,
+            )?;
+            b.quantizer(
+                &x,
+                &format!("fp8 block 128x128 {u}"),
+                &mut Fp8BlockQuantizer::new(e4, BlockDim::TwoD).with_usage(usage),
+                false,
+            )?;
+            b.quantizer(
+                &x,
+                &format!("nvfp4 {u}"),
+                &mut Nvfp4Quantizer::new().with_usage(usage),
+                true,
+            )?;
+        }
+        b.quantizer(
+            &x,
+            "nvfp4 both, rht + sr",
+            &mut Nvfp4Quantizer::new()
+                .with_rht(true)
+                .with_stochastic_rounding(Some(Generator::new(3))),
+            true,
+        )?;
+        let mut q = Mxfp8Quantizer::new(e4).with_usage(Usage::Rowwise);
+        let qt = q.quantize(&x)?;
+        let ms = time(&dev, b.iters, || qt.dequantize(DType::BF16).map(drop))?;
+        b.rows.push(Row {
+            shape: shape.to_string(),
+            name: "mxfp8 dequantize rowwise".into(),
+            ms,
+            bytes: qt.size_in_bytes() + x.size_in_bytes(),
+            floor_bytes: qt.size_in_bytes() + x.size_in_bytes(),
+        });
+    }
+    println!(
+        "{} (sm_{}{})",
+        dev.name(),
+        dev.compute_capability().0,
+        dev.compute_capability().1
+    );
+    println!(
+        "{:12} {:34} {:>9} {:>9} {:>8} {:>9}",
+        "shape", "kernel", "ms", "GB/s", "of copy", "of floor"
+    );
+    let mut json = String::from("{\n  \"rows\": [\n");
+    let rows = b.rows;
+    for (i, r) in rows.iter().enumerate() {
+        let copy = copies
+            .iter()
+            .find(|(s, _)| *s == r.shape)
+            .map_or(f64::NAN, |c| c.1);
+        let gbs = r.bytes as f64 / r.ms / 1e6;
+        let floor = r.floor_bytes as f64 / r.ms / 1e6 / copy;
+        println!(
+            "{:12} {:34} {:9.4} {:9.1} {:8.3} {:9.3}",
+            r.shape,
+            r.name,
+            r.ms,
+            gbs,
+            gbs / copy,
+            floor
+        );
+        let sep = if i + 1 < rows.len() { "," } else { "" };
+        writeln!(
+            json,
+            "    {{\"shape\": \"{}\", \"kernel\": \"{}\", \"ms\": {:.5}, \"bytes\": {}, \"gbps\": {:.1}, \"of_copy\": {:.4}, \"of_floor\": {:.4}}}{sep}",
+            r.shape, r.name, r.ms, r.bytes, gbs, gbs / copy, floor
+        )
+        .unwrap();
+    }
+    json.push_str("  ]\n}\n");
+    if let Some(p) = json_path {
+        std::fs::write(&p, json)
+            .map_err(|e| tessera_core::Error::invalid("bench", format!("writing {p}: {e}")))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,331 @@
+// NVFP4 (spec/formats.md 5): E2M1 values, E4M3 scales per 1x16 block (16x1 columnwise,
+// on the transposed operand) or 16x16 tile, float32 global amaxes, the random Hadamard
+// transform on the columnwise operand, and stochastic rounding from the tessera-rng
+// Philox stream. Checked byte for byte against crates/quant/src/nvfp4.rs.
+#include "common.cuh"
+
+// ---- Philox (tessera-rng's stream, spec/rng.md) ---------------------------------------
+
+__device__ __forceinline__ uint4 philox(uint4 c, uint2 k) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k.x += 0x9E3779B9u;
+            k.y += 0xBB67AE85u;
+        }
+        const uint32_t hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+        const uint32_t hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+        c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+    }
+    return c;
+}
+
+// Word w of the stream (seed, offset).
+__device__ __forceinline__ uint32_t stream_word(u64 seed, u64 offset, u64 w) {
+    const u64 b = offset / 4 + w / 4;
+    const uint4 r = philox(make_uint4((uint32_t)b, (uint32_t)(b >> 32), 0u, 0u),
+                           make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
+    const int i = (int)(w % 4);
+    return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w;
+}
+
+// ---- E2M1 -----------------------------------------------------------------------------
+
+// RNE, satfinite to +-6, NaN -> 7 (+6), sign of zero kept.
+__device__ __forceinline__ uint32_t e2m1(float x) {
+    if (isnan(x)) return 7u;
+    const uint32_t s = signbit(x) ? 8u : 0u;
+    const float a = fabsf(x);
+    uint32_t c;
+    if (a <= 0.25f) c = 0;
+    else if (a < 0.75f) c = 1;
+    else if (a <= 1.25f) c = 2;
+    else if (a < 1.75f) c = 3;
+    else if (a <= 2.5f) c = 4;
+    else if (a < 3.5f) c = 5;
+    else if (a <= 5.0f) c = 6;
+    else c = 7;
+    return s | c;
+}
+
+__device__ __forceinline__ float e2m1_step(float v) { return v < 2.0f ? 0.5f : (v < 4.0f ? 1.0f : 2.0f); }
+
+// Stochastic rounding with 8 random bits (spec/formats.md 2.4; nvfp4.rs).
+__device__ __forceinline__ uint32_t e2m1_sr(float x, uint32_t r8) {
+    if (isnan(x)) return 7u;
+    const float a = fabsf(x);
+    const float u = __fmul_rn((float)r8, 0.00390625f);
+    const float t = __fadd_rn(a, __fmul_rn(u, e2m1_step(a)));
+    const float s = e2m1_step(t);
+    const float v = fminf(__fmul_rn(floorf(__fdiv_rn(t, s)), s), 6.0f);
+    return (signbit(x) ? 8u : 0u) | e2m1(v);
+}
+
+__device__ __forceinline__ float e2m1_value(uint32_t code) {
+    const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float v = mag[code & 7];
+    return (code & 8) ? -v : v;
+}
+
+// ---- scales ---------------------------------------------------------------------------
+
+__device__ __forceinline__ float global_encode_scale(float a) {
+    if (a == 0.0f) return 1.0f;
+    const float s = __fdiv_rn(2688.0f, a);
+    return s == 0.0f ? 1.0f : fminf(s, 3.402823466e38f);
+}
+
+// E4M3 byte of a block's decode scale.
+__device__ __forceinline__ uint8_t block_scale(float b, float s_enc) {
+    return fp8<true>(fminf(__fmul_rn(b, __fmul_rn(s_enc, 0.16666667163372040f)), 3.402823466e38f));
+}
+
+__device__ __forceinline__ float block_encode_scale(uint8_t e, float s_dec) {
+    return fminf(__frcp_rn(__fmul_rn(fp8_to_f32<true>(e), s_dec)), 3.402823466e38f);
+}
+
+// ---- RHT -------------------------------------------------------------------------------
+
+__constant__ float RHT_SIGN[16] = {1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1};
+
+__device__ __forceinline__ float hadamard(int t, int j) { return (__popc(t & j) & 1) ? -0.25f : 0.25f; }
+
+// y_j = sum_t v_t * s_t * H[t][j] / 4, accumulated in index order from +0.
+__device__ __forceinline__ void rht16(const float* v, float* y) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int t = 0; t < 16; ++t) acc = __fadd_rn(acc, __fmul_rn(v[t], __fmul_rn(RHT_SIGN[t], hadamard(t, j))));
+        y[j] = acc;
+    }
+}
+
+__device__ __forceinline__ void inverse_rht16(const float* y, float* v) {
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) acc = __fadd_rn(acc, __fmul_rn(y[j], hadamard(t, j)));
+        v[t] = __fmul_rn(acc, RHT_SIGN[t]);
+    }
+}
+
+// NaN-ignoring amax of the RHT-transformed columnwise operand: thread per (column, run of
+// 16 rows). out must start at 0.
+template <class T>
+__device__ void rht_amax_impl(const T* __restrict__ x, u64 m, u64 k, float* out) {
+    __shared__ float smem[32];
+    const u64 runs = (m / 16) * k;
+    float mx = 0.0f;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < runs; i += stride) {
+        const u64 c = i % k, run = i / k;
+        float v[16], y[16];
+#pragma unroll
+        for (int t = 0; t < 16; ++t) v[t] = In<T>::f32(x[(run * 16 + t) * k + c]);
+        rht16(v, y);
+#pragma unroll
+        for (int t = 0; t < 16; ++t) mx = fmaxf(mx, fabsf(y[t]));
+    }
+    mx = block_max(mx, smem);
+    if (threadIdx.x == 0) atomic_max_nonneg(out, mx);
+}
+
+// ---- quantize ---------------------------------------------------------------------------
+
+struct Nvfp4Args {
+    u64 m, k;
+    const float* amax_row;  // global amaxes (device scalars)
+    const float* amax_col;
+    uint8_t* q_row;  // [m, k/2] or null
+    uint8_t* s_row;  // [s_row_rows, s_row_cols]
+    u64 s_row_cols;
+    uint8_t* q_col;  // [k, m/2] or null
+    uint8_t* s_col;  // [s_col_rows, s_col_cols]
+    u64 s_col_cols;
+    int two_d, rht, swizzled, sr;
+    u64 seed, off_row, off_col;  // stochastic-rounding streams
+};
+
+// One CTA per 64x64 tile (grid: ceil(m/64) x ceil(k/64), 256 threads). Rowwise: thread t
+// owns row t/4 and columns (t%4)*16 .. +16 (one 1x16 block). Columnwise: thread t owns
+// column t/4 and rows (t%4)*16 .. +16 of the tile (one block of the transposed operand).
+template <class T>
+__device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
+    __shared__ float tile[64][64 + 1];
+    __shared__ float blk[64][4];       // 1x16 block amaxes (rowwise) / transformed (columnwise)
+    __shared__ float tmax[4][4];       // 16x16 tile amaxes
+    const int t = threadIdx.x;
+    const u64 m0 = (u64)blockIdx.x * 64, k0 = (u64)blockIdx.y * 64;
+    // Rowwise view.
+    const int r = t / 4, c0 = (t % 4) * 16;
+    const bool rvalid = m0 + r < a.m && k0 + c0 < a.k;
+    float v[16];
+    if (rvalid) {
+        load16<T>(x + (m0 + r) * a.k + k0 + c0, v);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) v[j] = 0.0f;
+    }
+    float bamax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        tile[r][c0 + j] = v[j];
+        bamax = fmaxf(bamax, fabsf(v[j]));
+    }
+    blk[r][t % 4] = bamax;
+    __syncthreads();
+    if (a.two_d && t < 16) {
+        const int ti = t / 4, tj = t % 4;
+        float mx = 0.0f;
+        for (int rr = ti * 16; rr < ti * 16 + 16; ++rr) mx = fmaxf(mx, blk[rr][tj]);
+        tmax[ti][tj] = mx;
+    }
+    __syncthreads();
+    if (a.q_row != nullptr && rvalid) {
+        const float A = a.amax_row[0];
+        const float s_enc = global_encode_scale(A);
+        const float s_dec = __frcp_rn(s_enc);
+        const float b = a.two_d ? tmax[r / 16][t % 4] : bamax;
+        const uint8_t e = block_scale(b, s_enc);
+        const float g = block_encode_scale(e, s_dec);
+        const u64 row = m0 + r, col = k0 + c0;
+        uint32_t packed[2] = {0u, 0u};
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const float y = __fmul_rn(v[j], g);
+            uint32_t code;
+            if (a.sr) {
+                const u64 el = row * a.k + col + j;
+                code = e2m1_sr(y, (stream_word(a.seed, a.off_row, el / 4) >> (8 * (el % 4))) & 0xFF);
+            } else {
+                code = e2m1(y);
+            }
+            packed[j / 8] |= code << (4 * (j % 8));
+        }
+        reinterpret_cast<uint2*>(a.q_row + row * (a.k / 2) + col / 2)[0] = make_uint2(packed[0], packed[1]);
+        const u64 j = col / 16;
+        a.s_row[a.swizzled ? swizzled_index(row, j, a.s_row_cols) : row * a.s_row_cols + j] = e;
+    }
+    if (a.q_col == nullptr) return;
+    // Columnwise view: column cc of the tile, rows 16*run .. +16.
+    const int cc = t / 4, run = t % 4;
+    const bool cvalid = k0 + cc < a.k && m0 + run * 16 < a.m;
+    float w[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) w[i] = tile[run * 16 + i][cc];
+    if (a.rht) {
+        float y[16];
+        rht16(w, y);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) w[i] = y[i];
+    }
+    float camax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) camax = fmaxf(camax, fabsf(w[i]));
+    float b = camax;
+    if (a.two_d) {
+        if (a.rht) {
+            // 16x16 tiles of the transformed operand: max over the 16 columns of the group.
+            __syncthreads();
+            blk[cc][run] = cvalid ? camax : 0.0f;
+            __syncthreads();
+            b = 0.0f;
+            for (int c2 = (cc / 16) * 16; c2 < (cc / 16) * 16 + 16; ++c2) b = fmaxf(b, blk[c2][run]);
+        } else {
+            b = tmax[run][cc / 16];
+        }
+    }
+    if (!cvalid) return;
+    const float A = a.amax_col[0];
+    const float s_enc = global_encode_scale(A);
+    const float s_dec = __frcp_rn(s_enc);
+    const uint8_t e = block_scale(b, s_enc);
+    const float g = block_encode_scale(e, s_dec);
+    const u64 kk = k0 + cc, mm = m0 + run * 16;
+    uint32_t packed[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const float y = __fmul_rn(w[i], g);
+        uint32_t code;
+        if (a.sr) {
+            const u64 el = kk * a.m + mm + i;
+            code = e2m1_sr(y, (stream_word(a.seed, a.off_col, el / 4) >> (8 * (el % 4))) & 0xFF);
+        } else {
+            code = e2m1(y);
+        }
+        packed[i / 8] |= code << (4 * (i % 8));
+    }
+    reinterpret_cast<uint2*>(a.q_col + kk * (a.m / 2) + mm / 2)[0] = make_uint2(packed[0], packed[1]);
+    const u64 j = mm / 16;
+    a.s_col[a.swizzled ? swizzled_index(kk, j, a.s_col_cols) : kk * a.s_col_cols + j] = e;
+}
+
+#define NVFP4(SUFFIX, T)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_##SUFFIX(const T* __restrict__ x, \
+                                                                             const Nvfp4Args a) { \
+        nvfp4_impl<T>(x, a);                                                                     \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_rht_amax_##SUFFIX(           \
+        const T* __restrict__ x, u64 m, u64 k, float* out) {                                     \
+        rht_amax_impl<T>(x, m, k, out);                                                          \
+    }
+NVFP4(f32, float)
+NVFP4(bf16, __nv_bfloat16)
+NVFP4(f16, __half)
+
+// ---- dequantize -------------------------------------------------------------------------
+
+// value = e2m1 * ((e4m3 * A) * fp32(1/2688)). Rowwise (col = 0): thread per element of
+// [m, k]. Columnwise (col = 1): thread per run of 16 along m of one column k, inverse RHT
+// when rht, written to y[m, k].
+template <class T>
+__device__ void nvfp4_dequant_impl(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+                                   const float* __restrict__ amax, T* __restrict__ y, u64 m, u64 k,
+                                   u64 s_cols, int col, int rht, int swizzled) {
+    const float A = amax[0];
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    if (!col) {
+        for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < m * k; e += stride) {
+            const u64 r = e / k, c = e % k;
+            const uint8_t byte = q[e / 2];
+            const uint32_t code = (e % 2) ? (byte >> 4) : (byte & 0xF);
+            const u64 si = swizzled ? swizzled_index(r, c / 16, s_cols) : r * s_cols + c / 16;
+            const float sc = __fmul_rn(__fmul_rn(fp8_to_f32<true>(s[si]), A), 1.0f / 2688.0f);
+            y[e] = In<T>::from(__fmul_rn(e2m1_value(code), sc));
+        }
+        return;
+    }
+    const u64 runs = (m / 16) * k;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < runs; i += stride) {
+        const u64 c = i % k, run = i / k;
+        const u64 si = swizzled ? swizzled_index(c, run, s_cols) : c * s_cols + run;
+        const float sc = __fmul_rn(__fmul_rn(fp8_to_f32<true>(s[si]), A), 1.0f / 2688.0f);
+        float v[16], o[16];
+#pragma unroll
+        for (int t = 0; t < 16; ++t) {
+            const u64 el = c * m + run * 16 + t;  // element of the transposed operand
+            const uint8_t byte = q[el / 2];
+            v[t] = __fmul_rn(e2m1_value((el % 2) ? (byte >> 4) : (byte & 0xF)), sc);
+        }
+        if (rht) {
+            inverse_rht16(v, o);
+        } else {
+#pragma unroll
+            for (int t = 0; t < 16; ++t) o[t] = v[t];
+        }
+#pragma unroll
+        for (int t = 0; t < 16; ++t) y[(run * 16 + t) * k + c] = In<T>::from(o[t]);
+    }
+}
+
+#define NVFP4_DEQUANT(SUFFIX, T)                                                                \
+    extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_dequant_##SUFFIX(            \
+        const uint8_t* q, const uint8_t* s, const float* amax, T* y, u64 m, u64 k, u64 s_cols,   \
+        int col, int rht, int swizzled) {                                                        \
+        nvfp4_dequant_impl<T>(q, s, amax, y, m, k, s_cols, col, rht, swizzled);                  \
+    }
+NVFP4_DEQUANT(f32, float)
+NVFP4_DEQUANT(bf16, __nv_bfloat16)
+NVFP4_DEQUANT(f16, __half)

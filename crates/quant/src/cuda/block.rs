@@ -1,0 +1,179 @@
+//! FP8 block scaling on the device.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use tessera_core::cuda::grid_1d;
+use tessera_core::{DType, Error, Result, Tensor};
+
+use super::{BLOCK, BLOCK_PTX, device_of, dtype_suffix, format_suffix, launch};
+use crate::block::BlockScaling;
+use crate::values::check_input;
+use crate::{BlockDim, BufferName, QuantizedTensor};
+
+/// Quantizes `x` into `out` (FP8 block scaling, its usage's buffers), both orientations
+/// from one read of the input.
+pub(crate) fn quantize_into(
+    x: &Tensor,
+    p: &BlockScaling,
+    dim: BlockDim,
+    out: &mut QuantizedTensor,
+) -> Result<()> {
+    const OP: &str = "cuda fp8 block quantize";
+    let (m, k) = check_input(OP, x)?;
+    let dev = device_of(x)?;
+    let usage = out.usage();
+    let f = dev.function(
+        &BLOCK_PTX,
+        &format!(
+            "tessera_fp8_block_{}_{}",
+            dtype_suffix(OP, x.dtype())?,
+            format_suffix(p.format)
+        ),
+    )?;
+    let take = |out: &mut QuantizedTensor, name, wanted: bool| -> Result<Option<Tensor>> {
+        if wanted {
+            out.take_buffer(name).map(Some)
+        } else {
+            Ok(None)
+        }
+    };
+    let mut q_row = take(out, BufferName::Data, usage.rowwise())?;
+    let mut s_row = take(out, BufferName::ScaleInv, usage.rowwise())?;
+    let mut q_col = take(out, BufferName::ColumnwiseData, usage.columnwise())?;
+    let mut s_col = take(out, BufferName::ColumnwiseScaleInv, usage.columnwise())?;
+    let cols = |t: &Option<Tensor>| t.as_ref().map_or(0u64, |t| t.shape().dims()[1] as u64);
+    let (s_row_cols, s_col_cols) = (cols(&s_row), cols(&s_col));
+    for s in [&mut s_row, &mut s_col].into_iter().flatten() {
+        dev.stream()
+            .memset_zeros(s.cuda_slice_mut()?)
+            .map_err(|e| Error::Cuda {
+                op: OP,
+                msg: e.to_string(),
+            })?;
+    }
+    let gy = k.div_ceil(128);
+    if gy > 65_535 {
+        return Err(Error::shape(
+            OP,
+            format!("K = {k} exceeds the kernel's 128x65535-column grid"),
+        ));
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (m.div_ceil(128).max(1) as u32, gy.max(1) as u32, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (mu, ku) = (m as u64, k as u64);
+    let (fp8_max, pow2, eps, vfi, two_d) = (
+        p.format.max(),
+        i32::from(p.pow2),
+        p.eps,
+        p.value_for_inf,
+        i32::from(dim == BlockDim::TwoD),
+    );
+    let null = 0u64;
+    {
+        let mut it = [&mut q_row, &mut s_row, &mut q_col, &mut s_col]
+            .into_iter()
+            .map(|t| t.as_mut().map(|t| t.cuda_slice_mut()));
+        let mut next = || it.next().flatten().transpose();
+        let (qr, sr, qc, sc) = (next()?, next()?, next()?, next()?);
+        // SAFETY: (const T* x, u64 m, u64 k, float fp8_max, int pow2, float eps, float
+        // value_for_inf, int two_d, u8* q_row, float* s_row, u64 s_row_cols, u8* q_col,
+        // float* s_col, u64 s_col_cols): x is [m, k], q_row [m, k] bytes, q_col [k, m]
+        // bytes, the scale buffers their padded grids (f32), or null.
+        unsafe {
+            launch(&dev, &f, cfg, OP, |b| {
+                b.arg(x.cuda_slice().expect("device tensor"))
+                    .arg(&mu)
+                    .arg(&ku)
+                    .arg(&fp8_max)
+                    .arg(&pow2)
+                    .arg(&eps)
+                    .arg(&vfi)
+                    .arg(&two_d);
+                match qr {
+                    Some(p) => b.arg(p),
+                    None => b.arg(&null),
+                };
+                match sr {
+                    Some(p) => b.arg(p),
+                    None => b.arg(&null),
+                };
+                b.arg(&s_row_cols);
+                match qc {
+                    Some(p) => b.arg(p),
+                    None => b.arg(&null),
+                };
+                match sc {
+                    Some(p) => b.arg(p),
+                    None => b.arg(&null),
+                };
+                b.arg(&s_col_cols);
+            })
+        }?;
+    }
+    for (name, t) in [
+        (BufferName::Data, q_row),
+        (BufferName::ScaleInv, s_row),
+        (BufferName::ColumnwiseData, q_col),
+        (BufferName::ColumnwiseScaleInv, s_col),
+    ] {
+        if let Some(t) = t {
+            out.put_buffer(name, t);
+        }
+    }
+    out.source_dtype = x.dtype();
+    Ok(())
+}
+
+/// Dequantizes one orientation of an FP8-block CUDA tensor into `dtype`.
+pub(crate) fn dequantize(
+    qt: &QuantizedTensor,
+    format: crate::Fp8Format,
+    dim: BlockDim,
+    columnwise: bool,
+    dtype: DType,
+) -> Result<Tensor> {
+    const OP: &str = "cuda fp8 block dequantize";
+    let (m, k) = qt.shape().flat_2d();
+    let (dn, sn) = if columnwise {
+        (BufferName::ColumnwiseData, BufferName::ColumnwiseScaleInv)
+    } else {
+        (BufferName::Data, BufferName::ScaleInv)
+    };
+    let q = qt.buffer(dn).ok_or_else(|| crate::fp8::missing(dn))?;
+    let s = qt.buffer(sn).ok_or_else(|| crate::fp8::missing(sn))?;
+    let dev = device_of(q)?;
+    let mut y = Tensor::empty(qt.shape(), dtype, q.device())?;
+    let f = dev.function(
+        &BLOCK_PTX,
+        &format!(
+            "tessera_fp8_block_dequant_{}_{}",
+            dtype_suffix(OP, dtype)?,
+            format_suffix(format)
+        ),
+    )?;
+    let mode: i32 = match (dim, columnwise) {
+        (BlockDim::OneD, false) => 0,
+        (BlockDim::OneD, true) => 1,
+        (BlockDim::TwoD, false) => 2,
+        (BlockDim::TwoD, true) => 3,
+    };
+    let a = [m as u64, k as u64, s.shape().dims()[1] as u64];
+    let cfg = grid_1d(&dev, m * k, BLOCK)?;
+    let ys = y.cuda_slice_mut()?;
+    // SAFETY: (const u8* q, const float* s, T* y, u64 m, u64 k, u64 s_cols, int mode): q
+    // holds m*k bytes in its stored orientation, s its padded grid, y m*k elements.
+    unsafe {
+        launch(&dev, &f, cfg, OP, |b| {
+            b.arg(q.cuda_slice().expect("device tensor"))
+                .arg(s.cuda_slice().expect("device tensor"))
+                .arg(ys);
+            for v in &a {
+                b.arg(v);
+            }
+            b.arg(&mode);
+        })
+    }?;
+    Ok(y)
+}

@@ -1,0 +1,256 @@
+//! NVFP4 on the device.
+
+use std::sync::Arc;
+
+use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use tessera_core::cuda::{CudaDevice, grid_1d};
+use tessera_core::{DType, Device, Error, Result, Tensor};
+use tessera_rng::Generator;
+
+use super::{BLOCK, NVFP4_PTX, device_of, dtype_suffix, launch};
+use crate::values::check_input;
+use crate::{AmaxReduction, BufferName, QuantizedTensor};
+
+/// The kernel's `Nvfp4Args` (kernels/nvfp4.cu), field for field.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Nvfp4Args {
+    m: u64,
+    k: u64,
+    amax_row: u64,
+    amax_col: u64,
+    q_row: u64,
+    s_row: u64,
+    s_row_cols: u64,
+    q_col: u64,
+    s_col: u64,
+    s_col_cols: u64,
+    two_d: i32,
+    rht: i32,
+    swizzled: i32,
+    sr: i32,
+    seed: u64,
+    off_row: u64,
+    off_col: u64,
+}
+
+// SAFETY: a #[repr(C)] struct of integers laid out exactly as the kernel's `Nvfp4Args`
+// (all fields naturally aligned, no padding), passed by value.
+unsafe impl DeviceRepr for Nvfp4Args {}
+
+/// The device address of a CUDA tensor's storage.
+fn addr(dev: &CudaDevice, t: &Tensor) -> Result<u64> {
+    let (p, _sync) = t.cuda_slice()?.device_ptr(dev.stream());
+    Ok(p)
+}
+
+/// A global amax on the device: `max |x|` (of the RHT-transformed columnwise operand
+/// when `rht`), all-reduced through `reduction` when given (which reads it back).
+fn global_amax(
+    dev: &CudaDevice,
+    x: &Tensor,
+    rht: bool,
+    reduction: Option<&Arc<dyn AmaxReduction>>,
+) -> Result<Tensor> {
+    const OP: &str = "cuda nvfp4 amax";
+    let mut a = if rht {
+        let (m, k) = x.shape().flat_2d();
+        let mut out = Tensor::zeros([1], DType::F32, x.device())?;
+        let f = dev.function(
+            &NVFP4_PTX,
+            &format!("tessera_nvfp4_rht_amax_{}", dtype_suffix(OP, x.dtype())?),
+        )?;
+        let (mu, ku) = (m as u64, k as u64);
+        let cfg = grid_1d(dev, (m / 16) * k, BLOCK)?;
+        let o = out.cuda_slice_mut()?;
+        // SAFETY: (const T* x, u64 m, u64 k, float* out): x is [m, k] with m % 16 == 0.
+        unsafe {
+            launch(dev, &f, cfg, OP, |b| {
+                b.arg(x.cuda_slice().expect("device tensor"))
+                    .arg(&mu)
+                    .arg(&ku)
+                    .arg(o);
+            })
+        }?;
+        out
+    } else {
+        super::fp8::amax(x)?
+    };
+    if let Some(r) = reduction {
+        let v = r.all_reduce_max(a.to_vec::<f32>()?[0])?;
+        a = Tensor::from_slice(&[v], [1], x.device())?;
+    }
+    Ok(a)
+}
+
+/// Quantizes `x` into `out` (NVFP4, its usage's buffers).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn quantize_into(
+    x: &Tensor,
+    two_d: bool,
+    rht: bool,
+    swizzled: bool,
+    rng: Option<&mut Generator>,
+    reduction: Option<&Arc<dyn AmaxReduction>>,
+    out: &mut QuantizedTensor,
+) -> Result<()> {
+    const OP: &str = "cuda nvfp4 quantize";
+    let (m, k) = check_input(OP, x)?;
+    let dev = device_of(x)?;
+    let usage = out.usage();
+    let a_row = global_amax(&dev, x, false, reduction)?;
+    let a_col = if rht && usage.columnwise() {
+        global_amax(&dev, x, true, reduction)?
+    } else {
+        a_row.clone()
+    };
+    let (mut seed, mut off_row, mut off_col, sr) = (0, 0, 0, rng.is_some());
+    if let Some(g) = rng {
+        seed = g.seed();
+        if usage.rowwise() {
+            off_row = g.advance((m * k).div_ceil(4)).offset;
+        }
+        if usage.columnwise() {
+            off_col = g.advance((m * k).div_ceil(4)).offset;
+        }
+    }
+    let take = |out: &mut QuantizedTensor, name, wanted: bool| -> Result<Option<Tensor>> {
+        if wanted {
+            out.take_buffer(name).map(Some)
+        } else {
+            Ok(None)
+        }
+    };
+    let q_row = take(out, BufferName::Data, usage.rowwise())?;
+    let mut s_row = take(out, BufferName::ScaleInv, usage.rowwise())?;
+    let q_col = take(out, BufferName::ColumnwiseData, usage.columnwise())?;
+    let mut s_col = take(out, BufferName::ColumnwiseScaleInv, usage.columnwise())?;
+    for s in [&mut s_row, &mut s_col].into_iter().flatten() {
+        dev.stream()
+            .memset_zeros(s.cuda_slice_mut()?)
+            .map_err(|e| Error::Cuda {
+                op: OP,
+                msg: e.to_string(),
+            })?;
+    }
+    let p = |t: &Option<Tensor>| t.as_ref().map_or(Ok(0), |t| addr(&dev, t));
+    let cols = |t: &Option<Tensor>| t.as_ref().map_or(0, |t| t.shape().dims()[1] as u64);
+    let args = Nvfp4Args {
+        m: m as u64,
+        k: k as u64,
+        amax_row: addr(&dev, &a_row)?,
+        amax_col: addr(&dev, &a_col)?,
+        q_row: p(&q_row)?,
+        s_row: p(&s_row)?,
+        s_row_cols: cols(&s_row),
+        q_col: p(&q_col)?,
+        s_col: p(&s_col)?,
+        s_col_cols: cols(&s_col),
+        two_d: i32::from(two_d),
+        rht: i32::from(rht),
+        swizzled: i32::from(swizzled),
+        sr: i32::from(sr),
+        seed,
+        off_row,
+        off_col,
+    };
+    let gy = k.div_ceil(64);
+    if gy > 65_535 {
+        return Err(Error::shape(
+            OP,
+            format!("K = {k} exceeds the kernel's 64x65535-column grid"),
+        ));
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (m.div_ceil(64).max(1) as u32, gy.max(1) as u32, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let f = dev.function(
+        &NVFP4_PTX,
+        &format!("tessera_nvfp4_{}", dtype_suffix(OP, x.dtype())?),
+    )?;
+    // SAFETY: (const T* x, Nvfp4Args a): x is [m, k] with m, k multiples of 16 (checked
+    // by the quantizer); the argument's pointers address live buffers of `out` (data
+    // [m, k/2] and [k, m/2] bytes, the padded scale grids) and the amax scalars, all of
+    // which outlive the launch on this stream; null pointers mark absent usages.
+    unsafe {
+        launch(&dev, &f, cfg, OP, |b| {
+            b.arg(x.cuda_slice().expect("device tensor")).arg(&args);
+        })
+    }?;
+    let put_amax = |out: &mut QuantizedTensor, name, a: &Tensor| -> Result<()> {
+        if out.buffer(name).is_some() {
+            out.take_buffer(name)?;
+            out.put_buffer(name, a.clone());
+        }
+        Ok(())
+    };
+    put_amax(out, BufferName::Amax, &a_row)?;
+    put_amax(out, BufferName::ColumnwiseAmax, &a_col)?;
+    for (name, t) in [
+        (BufferName::Data, q_row),
+        (BufferName::ScaleInv, s_row),
+        (BufferName::ColumnwiseData, q_col),
+        (BufferName::ColumnwiseScaleInv, s_col),
+    ] {
+        if let Some(t) = t {
+            out.put_buffer(name, t);
+        }
+    }
+    out.source_dtype = x.dtype();
+    Ok(())
+}
+
+/// Dequantizes one orientation of an NVFP4 CUDA tensor into `dtype`.
+pub(crate) fn dequantize(
+    qt: &QuantizedTensor,
+    rht: bool,
+    swizzled: bool,
+    columnwise: bool,
+    dtype: DType,
+) -> Result<Tensor> {
+    const OP: &str = "cuda nvfp4 dequantize";
+    let (m, k) = qt.shape().flat_2d();
+    let (dn, sn, an) = if columnwise {
+        (
+            BufferName::ColumnwiseData,
+            BufferName::ColumnwiseScaleInv,
+            BufferName::ColumnwiseAmax,
+        )
+    } else {
+        (BufferName::Data, BufferName::ScaleInv, BufferName::Amax)
+    };
+    let get = |n| qt.buffer(n).ok_or_else(|| crate::fp8::missing(n));
+    let (q, s, a) = (get(dn)?, get(sn)?, get(an)?);
+    let dev = device_of(q)?;
+    let device: Device = q.device();
+    let mut y = Tensor::empty(qt.shape(), dtype, device)?;
+    let f = dev.function(
+        &NVFP4_PTX,
+        &format!("tessera_nvfp4_dequant_{}", dtype_suffix(OP, dtype)?),
+    )?;
+    let dims = [m as u64, k as u64, s.shape().dims()[1] as u64];
+    let flags = [i32::from(columnwise), i32::from(rht), i32::from(swizzled)];
+    let units = if columnwise { (m / 16) * k } else { m * k };
+    let cfg = grid_1d(&dev, units, BLOCK)?;
+    let ys = y.cuda_slice_mut()?;
+    // SAFETY: (const u8* q, const u8* s, const float* amax, T* y, u64 m, u64 k, u64
+    // s_cols, int col, int rht, int swizzled): q the packed data of the orientation, s its
+    // padded scale grid, amax one float, y [m, k] of T.
+    unsafe {
+        launch(&dev, &f, cfg, OP, |b| {
+            b.arg(q.cuda_slice().expect("device tensor"))
+                .arg(s.cuda_slice().expect("device tensor"))
+                .arg(a.cuda_slice().expect("device tensor"))
+                .arg(ys);
+            for d in &dims {
+                b.arg(d);
+            }
+            for fl in &flags {
+                b.arg(fl);
+            }
+        })
+    }?;
+    Ok(y)
+}
