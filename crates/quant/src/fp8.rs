@@ -218,11 +218,14 @@ impl Quantizer for Fp8CurrentScaling {
     fn set_usage(&mut self, usage: Usage) {
         self.usage = usage;
     }
+    fn set_amax_reduction(&mut self, reduction: Option<Arc<dyn AmaxReduction>>) {
+        self.reduction = reduction;
+    }
     fn check_shape(&self, shape: &Shape) -> Result<()> {
         check_rank("Fp8CurrentScaling", shape)
     }
     fn is_quantizable(&self, shape: &Shape) -> bool {
-        shape.rank() >= 1
+        shape.rank() >= 2
     }
     fn make_empty(&self, shape: &Shape, dtype: DType, device: Device) -> Result<QuantizedTensor> {
         self.check_shape(shape)?;
@@ -461,7 +464,7 @@ impl Quantizer for Fp8DelayedScaling {
         check_rank("Fp8DelayedScaling", shape)
     }
     fn is_quantizable(&self, shape: &Shape) -> bool {
-        shape.rank() >= 1
+        shape.rank() >= 2
     }
     fn make_empty(&self, shape: &Shape, dtype: DType, device: Device) -> Result<QuantizedTensor> {
         self.check_shape(shape)?;

@@ -85,6 +85,13 @@ pub trait Quantizer: Send {
     /// with kernels) on its CUDA device, where the result stays.
     fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor>;
 
+    /// Installs (or removes) the amax all-reduce that per-tensor formats (FP8 current
+    /// scaling, NVFP4) run before computing their scales, so every rank of a group
+    /// quantizes with the same scale. Formats with only per-block scales ignore it.
+    fn set_amax_reduction(&mut self, reduction: Option<std::sync::Arc<dyn AmaxReduction>>) {
+        let _ = reduction;
+    }
+
     /// Quantizes into the buffers of `out` (from [`make_empty`](Self::make_empty) with
     /// this quantizer's usage, on `x`'s device). CUDA kernels write `out`'s buffers in
     /// place; the default implementation quantizes and replaces them.

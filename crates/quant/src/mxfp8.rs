@@ -34,7 +34,7 @@ pub fn quantize_rowwise(x: &[f32], m: usize, k: usize, format: Fp8Format) -> (Ve
     let nb = k / BLOCK;
     let mut data = vec![0u8; m * k];
     let mut scales = vec![0u8; m * nb];
-    data.par_chunks_mut(k)
+    data.par_chunks_mut(k.max(1))
         .zip(scales.par_chunks_mut(nb.max(1)))
         .enumerate()
         .for_each(|(r, (drow, srow))| {
@@ -57,7 +57,7 @@ pub fn quantize_columnwise(x: &[f32], m: usize, k: usize, format: Fp8Format) -> 
     let mb = m / BLOCK;
     let mut data = vec![0u8; m * k];
     let mut scales = vec![0u8; mb * k];
-    data.par_chunks_mut(BLOCK * k)
+    data.par_chunks_mut((BLOCK * k).max(1))
         .zip(scales.par_chunks_mut(k.max(1)))
         .enumerate()
         .for_each(|(i, (dblk, srow))| {
@@ -81,7 +81,7 @@ pub fn quantize_2d(x: &[f32], m: usize, k: usize, format: Fp8Format) -> (Vec<u8>
     let (mb, kb) = (m / BLOCK, k / BLOCK);
     let mut data = vec![0u8; m * k];
     let mut tiles = vec![0u8; mb * kb];
-    data.par_chunks_mut(BLOCK * k)
+    data.par_chunks_mut((BLOCK * k).max(1))
         .zip(tiles.par_chunks_mut(kb.max(1)))
         .enumerate()
         .for_each(|(i, (dblk, trow))| {

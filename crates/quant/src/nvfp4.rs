@@ -394,6 +394,9 @@ impl Quantizer for Nvfp4Quantizer {
     fn set_usage(&mut self, usage: Usage) {
         self.usage = usage;
     }
+    fn set_amax_reduction(&mut self, reduction: Option<Arc<dyn AmaxReduction>>) {
+        self.reduction = reduction;
+    }
     fn check_shape(&self, shape: &Shape) -> Result<()> {
         let (m, k) = shape.flat_2d();
         if shape.rank() == 0 || m % BLOCK != 0 || k % BLOCK != 0 {

@@ -179,6 +179,17 @@ fn compact(qt: &QuantizedTensor, w: &WireBuffer) -> Result<Vec<u8>> {
 /// a multiple of the format's block height (blocks would straddle ranks).
 pub fn pack(qt: &QuantizedTensor) -> Result<Vec<(BufferName, Tensor)>> {
     const OP: &str = "wire::pack";
+    if qt.shape().rank() < 2 {
+        // The first dimension of a rank-1 tensor is its last (K): blocks and transposes
+        // would be split across ranks.
+        return Err(Error::shape(
+            OP,
+            format!(
+                "a rank-1 shard {} cannot be gathered in a quantized format; gather it in high precision",
+                qt.shape()
+            ),
+        ));
+    }
     let (m, _) = qt.shape().flat_2d();
     let g = m_granule(qt);
     if m % g != 0 {

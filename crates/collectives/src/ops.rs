@@ -1,0 +1,260 @@
+//! The operations of TransformerEngine's `distributed.py`, on any [`ProcessGroup`].
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use tessera_core::{Error, Result, Shape, Tensor};
+use tessera_quant::wire::{self, Gather};
+use tessera_quant::{AmaxReduction, BufferName, QuantizedTensor, Quantizer};
+
+use crate::Work;
+use crate::group::{Collective, ProcessGroup, ReduceOp};
+
+/// A tensor in high precision or in a quantized format.
+#[derive(Debug, Clone)]
+pub enum MaybeQuantized {
+    /// A plain tensor.
+    Plain(Tensor),
+    /// A quantized tensor.
+    Quantized(QuantizedTensor),
+}
+
+impl MaybeQuantized {
+    /// The logical shape.
+    pub fn shape(&self) -> &Shape {
+        match self {
+            MaybeQuantized::Plain(t) => t.shape(),
+            MaybeQuantized::Quantized(q) => q.shape(),
+        }
+    }
+
+    /// The plain tensor, or the dequantized values in the source dtype.
+    pub fn to_plain(&self) -> Result<Tensor> {
+        match self {
+            MaybeQuantized::Plain(t) => Ok(t.clone()),
+            MaybeQuantized::Quantized(q) => q.dequantize(q.source_dtype()),
+        }
+    }
+
+    /// The quantized tensor, if it is one.
+    pub fn quantized(&self) -> Option<&QuantizedTensor> {
+        match self {
+            MaybeQuantized::Quantized(q) => Some(q),
+            MaybeQuantized::Plain(_) => None,
+        }
+    }
+}
+
+/// An [`AmaxReduction`] that all-reduces (MAX) over a process group: install it on a
+/// quantizer so every rank of the group quantizes with the same per-tensor scale.
+#[derive(Debug, Clone)]
+pub struct GroupAmaxReduction {
+    group: Arc<dyn ProcessGroup>,
+}
+
+impl GroupAmaxReduction {
+    /// The reduction over `group`.
+    pub fn new(group: Arc<dyn ProcessGroup>) -> Self {
+        GroupAmaxReduction { group }
+    }
+}
+
+impl AmaxReduction for GroupAmaxReduction {
+    fn all_reduce_max(&self, amax: f32) -> Result<f32> {
+        let t = Tensor::from_slice(&[amax], [1], self.group.device())?;
+        let r = self.group.all_reduce(t, ReduceOp::Max)?.into_result()?;
+        Ok(r.to_vec::<f32>()?[0])
+    }
+}
+
+/// TE's `gather_along_first_dim`: every rank's `input` concatenated along dim 0.
+///
+/// - Without a quantizer, a plain input is gathered as is and a quantized input in its
+///   own format (each buffer as its wire layout says); a quantized input whose shard
+///   cannot travel quantized (blocks would straddle ranks) is dequantized and gathered
+///   in high precision.
+/// - With a quantizer, a plain input is quantized first — with the group's amax
+///   all-reduced (MAX) so per-tensor scales agree — and the quantized bytes travel;
+///   when the quantizer cannot gather this shape ([`Quantizer::is_quantizable`]) the
+///   high-precision tensor is gathered and quantized after (logged through `tracing`).
+///   A quantized input lacking a usage the quantizer asks for is requantized.
+///
+/// Per-tensor metadata (FP8 scale inverse, NVFP4 amax) is gathered too and checked to be
+/// equal on every rank, so a gathered tensor's metadata is right by construction, not by
+/// assumption. The returned work's post-processing (`swap_first_dims`, re-padding) runs
+/// once, at the first wait.
+pub fn gather_along_first_dim(
+    input: &MaybeQuantized,
+    group: &Arc<dyn ProcessGroup>,
+    quantizer: Option<&mut dyn Quantizer>,
+) -> Result<Work<MaybeQuantized>> {
+    let world = group.size();
+    let quantized_input: QuantizedTensor = match (input, quantizer) {
+        (MaybeQuantized::Plain(t), None) => {
+            return Ok(group.all_gather(t)?.then(|t| Ok(MaybeQuantized::Plain(t))));
+        }
+        (MaybeQuantized::Plain(t), Some(q)) => {
+            if world == 1 {
+                return Ok(Work::done(MaybeQuantized::Quantized(q.quantize(t)?)));
+            }
+            if !q.is_quantizable(t.shape()) {
+                tracing::warn!(
+                    shape = %t.shape(),
+                    format = q.kind().name(),
+                    "shape cannot be gathered in the quantized format; gathering in high precision and quantizing after"
+                );
+                let full = group.all_gather(t)?.into_result()?;
+                return Ok(Work::done(MaybeQuantized::Quantized(q.quantize(&full)?)));
+            }
+            let reduction: Arc<dyn AmaxReduction> =
+                Arc::new(GroupAmaxReduction::new(group.clone()));
+            q.set_amax_reduction(Some(reduction));
+            let r = q.quantize(t);
+            q.set_amax_reduction(None);
+            r?
+        }
+        (MaybeQuantized::Quantized(qt), Some(q)) => {
+            let want = q.usage();
+            let have = qt.usage();
+            let missing =
+                (want.rowwise() && !have.rowwise()) || (want.columnwise() && !have.columnwise());
+            if missing || qt.kind() != q.kind() {
+                tracing::warn!(
+                    have = have.name(),
+                    want = want.name(),
+                    "the quantized input lacks a usage (or format) the quantizer asks for; requantizing"
+                );
+                let plain = qt.dequantize(qt.source_dtype())?;
+                return gather_along_first_dim(&MaybeQuantized::Plain(plain), group, Some(q));
+            }
+            qt.clone()
+        }
+        (MaybeQuantized::Quantized(qt), None) => {
+            if world == 1 {
+                return Ok(Work::done(input.clone()));
+            }
+            qt.clone()
+        }
+    };
+    if world == 1 {
+        return Ok(Work::done(MaybeQuantized::Quantized(quantized_input)));
+    }
+    gather_quantized(quantized_input, group)
+}
+
+/// The generic quantized gather: pack, one coalesced group of all-gathers (the
+/// replicated metadata included, to check it), unpack in the post-processing.
+fn gather_quantized(
+    local: QuantizedTensor,
+    group: &Arc<dyn ProcessGroup>,
+) -> Result<Work<MaybeQuantized>> {
+    let world = group.size();
+    let device = group.device();
+    let packed = match wire::pack(&local) {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::warn!(error = %e, "quantized shard cannot travel quantized; gathering dequantized values");
+            let plain = local.dequantize(local.source_dtype())?;
+            return Ok(group
+                .all_gather(&plain)?
+                .then(|t| Ok(MaybeQuantized::Plain(t))));
+        }
+    };
+    let replicated: Vec<BufferName> = wire::layout(&local)?
+        .into_iter()
+        .filter(|w| w.gather == Gather::Replicated)
+        .map(|w| w.name)
+        .collect();
+    let mut names = Vec::new();
+    let mut ops = Vec::new();
+    for (name, t) in packed.into_iter().chain(
+        replicated
+            .iter()
+            .map(|n| (*n, local.buffer(*n).expect("listed").clone())),
+    ) {
+        let t = t.to_device(device)?;
+        let [r, c] = [
+            t.shape().dims()[0],
+            t.shape().numel() / t.shape().dims()[0].max(1),
+        ];
+        let output = Tensor::empty([world * r, c], t.dtype(), device)?;
+        ops.push(Collective::AllGather {
+            input: t.reshape([r, c])?,
+            output,
+        });
+        names.push(name);
+    }
+    let n_gathered = names.len() - replicated.len();
+    let work = group.run(ops)?;
+    Ok(work.then(move |outputs| {
+        let mut gathered = BTreeMap::new();
+        for (i, (name, t)) in names.into_iter().zip(outputs).enumerate() {
+            if i < n_gathered {
+                gathered.insert(name, t);
+            } else {
+                // Every rank's copy of the per-tensor metadata must be the same.
+                let bytes = t.to_bytes()?;
+                let per = bytes.len() / world;
+                if let Some(r) = (1..world).find(|&r| bytes[r * per..][..per] != bytes[..per]) {
+                    return Err(Error::invalid(
+                        "gather_along_first_dim",
+                        format!("rank {r}'s `{name}` differs from rank 0's: quantize with an all-reduced amax (or agreed delayed scales) before gathering"),
+                    ));
+                }
+            }
+        }
+        let out = wire::unpack(&local, world, gathered)?;
+        Ok(MaybeQuantized::Quantized(out.to_device(device)?))
+    }))
+}
+
+/// TE's `reduce_scatter_along_first_dim`: the sum over ranks, this rank's 1/size of dim 0.
+pub fn reduce_scatter_along_first_dim(
+    input: &Tensor,
+    group: &dyn ProcessGroup,
+) -> Result<Work<Tensor>> {
+    group.reduce_scatter(input, ReduceOp::Sum)
+}
+
+/// TE's `allreduce`: the sum over ranks.
+pub fn allreduce(input: &Tensor, group: &dyn ProcessGroup) -> Result<Work<Tensor>> {
+    group.all_reduce(input.clone(), ReduceOp::Sum)
+}
+
+/// One rank's 1-D chunk of a tensor: TE's `split_tensor_into_1d_equal_chunks`, extended
+/// to sizes that do not divide evenly (the last chunks are zero-padded to one chunk
+/// length, and the original element count travels with the chunk).
+#[derive(Debug, Clone)]
+pub struct Chunk1d {
+    /// `ceil(numel / size)` elements: this rank's part of the flattened tensor.
+    pub chunk: Tensor,
+    /// The original shape.
+    pub shape: Shape,
+}
+
+/// This rank's chunk of `t` flattened.
+pub fn split_tensor_into_1d_equal_chunks(t: &Tensor, group: &dyn ProcessGroup) -> Result<Chunk1d> {
+    let (n, size, rank) = (t.numel(), group.size(), group.rank());
+    let len = n.div_ceil(size);
+    let elem = t.dtype().size_in_bytes();
+    let bytes = t.to_bytes()?;
+    let mut chunk = vec![0u8; len * elem];
+    let start = (rank * len).min(n);
+    let end = ((rank + 1) * len).min(n);
+    chunk[..(end - start) * elem].copy_from_slice(&bytes[start * elem..end * elem]);
+    Ok(Chunk1d {
+        chunk: Tensor::from_bytes(&chunk, [len], t.dtype(), t.device())?,
+        shape: t.shape().clone(),
+    })
+}
+
+/// TE's `gather_split_1d_tensor`: the full tensor back from every rank's chunk.
+pub fn gather_split_1d_tensor(c: &Chunk1d, group: &dyn ProcessGroup) -> Result<Work<Tensor>> {
+    let shape = c.shape.clone();
+    let n = shape.numel();
+    Ok(group.all_gather(&c.chunk)?.then(move |all| {
+        let elem = all.dtype().size_in_bytes();
+        let bytes = all.to_bytes()?;
+        Tensor::from_bytes(&bytes[..n * elem], shape, all.dtype(), all.device())
+    }))
+}
