@@ -139,16 +139,14 @@ fn check_quantized_gather(
     }
 }
 
+/// Makes a fresh quantizer (one per rank).
+type MakeQuantizer = Box<dyn Fn() -> Box<dyn Quantizer> + Sync>;
+
 #[test]
 fn quantized_gathers_equal_quantizing_the_whole_tensor() {
     for world in [1usize, 2, 3, 4, 8] {
         let e4 = Fp8Format::E4M3;
-        let cases: Vec<(
-            &str,
-            usize,
-            usize,
-            Box<dyn Fn() -> Box<dyn Quantizer> + Sync>,
-        )> = vec![
+        let cases: Vec<(&str, usize, usize, MakeQuantizer)> = vec![
             (
                 "fp8 current",
                 3,
