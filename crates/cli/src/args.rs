@@ -49,6 +49,48 @@ pub enum Command {
     /// (shape or dtype) are listed as skipped with the reason. A summary line closes the
     /// report.
     Report(ReportArgs),
+
+    /// Split every tensor's first dimension into --world equal shards, quantize each
+    /// shard on its own rank and all-gather the quantized bytes; write rank 0's gathered
+    /// tensors in the layout of `tessera quantize`.
+    ///
+    /// Per-tensor scales (fp8-current, nvfp4) use the amax all-reduced over the ranks, so
+    /// the gathered bytes equal quantizing the whole tensor. Shards the format cannot
+    /// gather quantized (e.g. mxfp8 shards whose rows are not a multiple of 32) travel in
+    /// high precision and are quantized after the gather. Prints, per tensor, the bytes
+    /// each rank sent.
+    Gather(GatherArgs),
+}
+
+/// Where the ranks of `tessera gather` run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    /// Ranks are threads of this process.
+    Threads,
+    /// One process per GPU over NCCL (started by `cargo xtask test-gpu`'s launcher).
+    Nccl,
+}
+
+/// `tessera gather`.
+#[derive(Debug, Clone, Args)]
+pub struct GatherArgs {
+    /// The number of ranks (shards).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub world: u32,
+
+    /// Where the ranks run.
+    #[arg(long, value_enum, default_value = "threads")]
+    pub backend: Backend,
+
+    /// The format and its options.
+    #[command(flatten)]
+    pub quant: QuantArgs,
+
+    /// The tensors to shard and gather (.npy or .safetensors).
+    pub input: PathBuf,
+
+    /// The .safetensors file to write (written atomically).
+    pub output: PathBuf,
 }
 
 /// `tessera quantize`.

@@ -53,6 +53,7 @@
 
 pub mod args;
 pub mod dequantize;
+pub mod gather;
 pub mod io;
 pub mod progress;
 pub mod quantize;
@@ -83,6 +84,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Quantize(a) => quantize::run(&a),
         Command::Dequantize(a) => dequantize::run(&a),
         Command::Report(a) => report::run(&a),
+        Command::Gather(a) => gather::run(&a),
     }
 }
 

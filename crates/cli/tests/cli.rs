@@ -1279,3 +1279,104 @@ fn dequantize_a_file_assembled_by_hand() {
     assert_eq!((*dtype, shape.clone()), (Dtype::F16, vec![16, 32]));
     assert!(bytes == qt.dequantize(DType::F16).unwrap().as_bytes().unwrap());
 }
+
+// ---------------------------------------------------------------------------------------
+// tessera gather
+
+#[test]
+fn gather_equals_quantizing_the_whole_file() {
+    let dir = TestDir::new("gather");
+    let input = dir.path("model.safetensors");
+    let w = tensor(&values(256 * 128, 7), &[256, 128], DType::BF16);
+    let b = tensor(&values(64 * 32, 8), &[4, 16, 32], DType::F32);
+    write_safetensors(&input, &[("w", &w), ("b", &b)]);
+    for (world, format) in [
+        (4, "mxfp8"),
+        (2, "fp8-current"),
+        (2, "nvfp4"),
+        (2, "fp8-block"),
+        (1, "mxfp8"),
+    ] {
+        let gathered = dir.path(&format!("g-{world}-{format}.safetensors"));
+        let whole = dir.path(&format!("q-{format}.safetensors"));
+        let o = run_tessera([
+            "gather",
+            "--world",
+            &world.to_string(),
+            "--format",
+            format,
+            input.to_str().unwrap(),
+            gathered.to_str().unwrap(),
+        ]);
+        assert_ok(&o);
+        assert!(stdout(&o).contains("sent per rank"), "{}", stdout(&o));
+        assert_ok(&run_tessera([
+            "quantize",
+            "--format",
+            format,
+            input.to_str().unwrap(),
+            whole.to_str().unwrap(),
+        ]));
+        let (g, q) = (read_safetensors(&gathered), read_safetensors(&whole));
+        assert_eq!(
+            g.tensors, q.tensors,
+            "world {world} {format}: gathered bytes differ from quantizing the whole file"
+        );
+        assert_eq!(
+            g.metadata.get("gathered_from_ranks").map(String::as_str),
+            Some(world.to_string().as_str())
+        );
+    }
+    // MXFP8 shards of 32 / 8 = 4 rows cannot travel quantized: high precision, same bytes.
+    let small = dir.path("small.safetensors");
+    write_safetensors(
+        &small,
+        &[("x", &tensor(&values(32 * 64, 3), &[32, 64], DType::F32))],
+    );
+    let g = dir.path("g8.safetensors");
+    let o = run_tessera([
+        "gather",
+        "--world",
+        "8",
+        "--format",
+        "mxfp8",
+        small.to_str().unwrap(),
+        g.to_str().unwrap(),
+    ]);
+    assert_ok(&o);
+    assert!(stdout(&o).contains("high prec."), "{}", stdout(&o));
+}
+
+#[test]
+fn gather_errors() {
+    let dir = TestDir::new("gather-errors");
+    let input = dir.path("m.safetensors");
+    write_safetensors(
+        &input,
+        &[("x", &tensor(&values(6 * 32, 1), &[6, 32], DType::F32))],
+    );
+    let out = dir.path("o.safetensors");
+    let o = run_tessera([
+        "gather",
+        "--world",
+        "4",
+        "--format",
+        "fp8-current",
+        input.to_str().unwrap(),
+        out.to_str().unwrap(),
+    ]);
+    assert_fails(&o, 1, &["first dimension 6 is not divisible by --world 4"]);
+    let o = run_tessera([
+        "gather",
+        "--world",
+        "2",
+        "--backend",
+        "nccl",
+        "--format",
+        "fp8-current",
+        input.to_str().unwrap(),
+        out.to_str().unwrap(),
+    ]);
+    assert_fails(&o, 1, &["--backend nccl"]);
+    assert!(!out.exists(), "a failed gather must not write its output");
+}
