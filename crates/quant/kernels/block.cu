@@ -27,10 +27,17 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
     for (int i = 0; i < 16; ++i) {
         const u64 r = m0 + warp * 16 + i;
         float a = 0.0f;
+        if (r < m && k0 + c0 + 4 <= k && (k % 4) == 0) {
+            load4<T>(x + r * k + k0 + c0, v[i]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u64 c = k0 + c0 + j;
+                v[i][j] = (r < m && c < k) ? In<T>::f32(x[r * k + c]) : 0.0f;
+            }
+        }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const u64 c = k0 + c0 + j;
-            v[i][j] = (r < m && c < k) ? In<T>::f32(x[r * k + c]) : 0.0f;
             a = fmaxf(a, fabsf(v[i][j]));
             cpart[j] = fmaxf(cpart[j], fabsf(v[i][j]));
         }
@@ -72,9 +79,14 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
 #pragma unroll
         for (int j = 0; j < 4; ++j) b[j] = fp8<E4M3>(__fmul_rn(v[i][j], scale));
         if (q_row != nullptr && r < m) {
+            if (k0 + c0 + 4 <= k && (k % 4) == 0) {
+                *reinterpret_cast<uint32_t*>(q_row + r * k + k0 + c0) =
+                    b[0] | (b[1] << 8) | (b[2] << 16) | ((uint32_t)b[3] << 24);
+            } else {
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
-                if (k0 + c0 + j < k) q_row[r * k + k0 + c0 + j] = b[j];
+                for (int j = 0; j < 4; ++j)
+                    if (k0 + c0 + j < k) q_row[r * k + k0 + c0 + j] = b[j];
+            }
             if (!two_d && lane == 0) s_row[kb * s_row_cols + r] = __frcp_rn(scale);
         }
         if (two_d) {
@@ -96,6 +108,22 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
     }
     __syncthreads();
     // Write the transposed tile: qt is [k, m]; row c of the tile covers m0 .. m0+127.
+    // 16 consecutive bytes of a row per thread when m allows 16-byte stores.
+    if ((m % 16) == 0) {
+        for (int idx = threadIdx.x; idx < 128 * 8; idx += blockDim.x) {
+            const int c = idx / 8, rt = (idx % 8) * 16;
+            const u64 gk = k0 + c, gm = m0 + rt;
+            if (gk >= k || gm >= m) continue;
+            uint4 w;
+            uint32_t* wp = reinterpret_cast<uint32_t*>(&w);
+#pragma unroll
+            for (int q4 = 0; q4 < 4; ++q4)
+                wp[q4] = tr[c][rt + 4 * q4] | (tr[c][rt + 4 * q4 + 1] << 8) |
+                         (tr[c][rt + 4 * q4 + 2] << 16) | ((uint32_t)tr[c][rt + 4 * q4 + 3] << 24);
+            *reinterpret_cast<uint4*>(q_col + gk * m + gm) = w;
+        }
+        return;
+    }
     for (int idx = threadIdx.x; idx < 128 * 128; idx += blockDim.x) {
         const int c = idx / 128, rt = idx % 128;
         const u64 gk = k0 + c, gm = m0 + rt;

@@ -136,6 +136,19 @@ template <class T> __device__ __forceinline__ void load16(const T* p, float* v) 
     for (int j = 0; j < 16; ++j) v[j] = In<T>::f32(b.e[j]);
 }
 
+// Loads 4 consecutive elements of T starting at p (aligned to 4 elements) as floats.
+template <class T> __device__ __forceinline__ void load4(const T* p, float* v) {
+    if constexpr (sizeof(T) == 4) {
+        const float4 u = *reinterpret_cast<const float4*>(p);
+        v[0] = u.x; v[1] = u.y; v[2] = u.z; v[3] = u.w;
+    } else {
+        union { uint2 u; T e[4]; } b;
+        b.u = *reinterpret_cast<const uint2*>(p);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = In<T>::f32(b.e[j]);
+    }
+}
+
 // 16 floats times s, to 16 FP8 bytes.
 template <bool E4M3> __device__ __forceinline__ uint4 fp8x16(const float* v, float s) {
     union { uint4 u; uint16_t h[8]; } o;

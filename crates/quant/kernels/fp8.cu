@@ -100,7 +100,19 @@ __device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict
         const int r = idx / 16, c = (idx % 16) * 4;
         const u64 gm = m0 + r, gk = k0 + c;
         uint8_t b[4] = {0, 0, 0, 0};
-        if (gm < m) {
+        if (gm < m && gk + 4 <= k && (k % 4) == 0) {
+            // Fast path: one 4-element vector load, one 4-byte store.
+            float a[4];
+            load4<T>(x + gm * k + gk, a);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                mx = fmaxf(mx, fabsf(a[j]));
+                b[j] = fp8<E4M3>(a[j] * scale);
+            }
+            if (q != nullptr)
+                *reinterpret_cast<uint32_t*>(q + gm * k + gk) =
+                    b[0] | (b[1] << 8) | (b[2] << 16) | ((uint32_t)b[3] << 24);
+        } else if (gm < m) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 if (gk + j < k) {
@@ -121,6 +133,12 @@ __device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict
             const int c = idx / 16, r = (idx % 16) * 4;
             const u64 gk = k0 + c, gm = m0 + r;
             if (gk >= k) continue;
+            if (gm + 4 <= m && (m % 4) == 0) {
+                *reinterpret_cast<uint32_t*>(qt + gk * m + gm) =
+                    tile[r][c] | (tile[r + 1][c] << 8) | (tile[r + 2][c] << 16) |
+                    ((uint32_t)tile[r + 3][c] << 24);
+                continue;
+            }
 #pragma unroll
             for (int j = 0; j < 4; ++j)
                 if (gm + j < m) qt[gk * m + gm + j] = tile[r + j][c];

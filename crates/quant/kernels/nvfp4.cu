@@ -20,13 +20,18 @@ __device__ __forceinline__ uint4 philox(uint4 c, uint2 k) {
     return c;
 }
 
-// Word w of the stream (seed, offset).
-__device__ __forceinline__ uint32_t stream_word(u64 seed, u64 offset, u64 w) {
-    const u64 b = offset / 4 + w / 4;
-    const uint4 r = philox(make_uint4((uint32_t)b, (uint32_t)(b >> 32), 0u, 0u),
-                           make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
-    const int i = (int)(w % 4);
-    return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w;
+// The random bytes of 16 consecutive elements el0 .. el0+15 (el0 a multiple of 16) of an
+// operand whose stream starts at (seed, offset): element e rounds with byte e % 4 of word
+// e / 4, so the 16 elements use exactly the 4 words of one Philox block.
+__device__ __forceinline__ uint4 random16(u64 seed, u64 offset, u64 el0) {
+    const u64 b = offset / 4 + el0 / 16;
+    return philox(make_uint4((uint32_t)b, (uint32_t)(b >> 32), 0u, 0u),
+                  make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
+}
+
+__device__ __forceinline__ uint32_t random_byte(uint4 r, int j) {
+    const uint32_t w = (j / 4) == 0 ? r.x : (j / 4) == 1 ? r.y : (j / 4) == 2 ? r.z : r.w;
+    return (w >> (8 * (j % 4))) & 0xFFu;
 }
 
 // ---- E2M1 -----------------------------------------------------------------------------
@@ -192,16 +197,11 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
         const float g = block_encode_scale(e, s_dec);
         const u64 row = m0 + r, col = k0 + c0;
         uint32_t packed[2] = {0u, 0u};
+        const uint4 rnd = a.sr ? random16(a.seed, a.off_row, row * a.k + col) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
             const float y = __fmul_rn(v[j], g);
-            uint32_t code;
-            if (a.sr) {
-                const u64 el = row * a.k + col + j;
-                code = e2m1_sr(y, (stream_word(a.seed, a.off_row, el / 4) >> (8 * (el % 4))) & 0xFF);
-            } else {
-                code = e2m1(y);
-            }
+            const uint32_t code = a.sr ? e2m1_sr(y, random_byte(rnd, j)) : e2m1(y);
             packed[j / 8] |= code << (4 * (j % 8));
         }
         reinterpret_cast<uint2*>(a.q_row + row * (a.k / 2) + col / 2)[0] = make_uint2(packed[0], packed[1]);
@@ -245,16 +245,11 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
     const float g = block_encode_scale(e, s_dec);
     const u64 kk = k0 + cc, mm = m0 + run * 16;
     uint32_t packed[2] = {0u, 0u};
+    const uint4 rnd = a.sr ? random16(a.seed, a.off_col, kk * a.m + mm) : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
         const float y = __fmul_rn(w[i], g);
-        uint32_t code;
-        if (a.sr) {
-            const u64 el = kk * a.m + mm + i;
-            code = e2m1_sr(y, (stream_word(a.seed, a.off_col, el / 4) >> (8 * (el % 4))) & 0xFF);
-        } else {
-            code = e2m1(y);
-        }
+        const uint32_t code = a.sr ? e2m1_sr(y, random_byte(rnd, i)) : e2m1(y);
         packed[i / 8] |= code << (4 * (i % 8));
     }
     reinterpret_cast<uint2*>(a.q_col + kk * (a.m / 2) + mm / 2)[0] = make_uint2(packed[0], packed[1]);
