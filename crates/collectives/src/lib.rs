@@ -10,6 +10,12 @@
 //!   generic implementation driven by the formats' wire layouts
 //!   ([`tessera_quant::wire`]); [`reduce_scatter_along_first_dim`], [`allreduce`],
 //!   [`split_tensor_into_1d_equal_chunks`] / [`gather_split_1d_tensor`].
+//! - [`Store`]: a torchrun-style TCP rendezvous store (`MASTER_ADDR:MASTER_PORT`) on
+//!   `std::net`, for exchanging NCCL ids and for barriers between processes.
+//! - `nccl` (feature `cuda`): `NcclGroup`, the one-process-per-GPU backend over NCCL,
+//!   on a project-owned `Communicator` (non-blocking init, split, abort, async-error
+//!   polling and timeouts, so a failed peer is an error rather than a hang). Without a
+//!   CUDA driver or NCCL library it returns [`tessera_core::Error::CudaUnavailable`].
 //!
 //! ```
 //! use std::sync::Arc;
@@ -35,14 +41,20 @@
 #![warn(missing_docs)]
 
 mod group;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 mod ops;
+mod store;
 mod thread;
 mod work;
 
 pub use group::{Collective, ProcessGroup, ReduceOp};
+#[cfg(feature = "cuda")]
+pub use nccl::{NcclGroup, NcclOptions};
 pub use ops::{
     Chunk1d, GroupAmaxReduction, MaybeQuantized, allreduce, gather_along_first_dim,
     gather_split_1d_tensor, reduce_scatter_along_first_dim, split_tensor_into_1d_equal_chunks,
 };
+pub use store::{DEFAULT_STORE_TIMEOUT, RendezvousEnv, Store, StoreServer};
 pub use thread::{DEFAULT_TIMEOUT, ThreadGroup, run_ranks};
 pub use work::Work;

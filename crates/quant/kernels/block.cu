@@ -16,7 +16,10 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
     __shared__ float colscale[128];
     __shared__ float tilescale;
     __shared__ float tileamax[4];
-    __shared__ uint8_t tr[128][128 + 16];
+    // Row pitch 129 bytes: lane l writes row 4l + j, and a pitch of an odd number of
+    // 4-byte words (4 * 129 bytes apart) puts the 32 lanes in 32 different banks; a
+    // multiple of 16 (the first version) put them all in 2 banks.
+    __shared__ uint8_t tr[128][129];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const u64 m0 = (u64)blockIdx.x * 128, k0 = (u64)blockIdx.y * 128;
     const int c0 = lane * 4;

@@ -41,15 +41,11 @@ __device__ __forceinline__ uint32_t e2m1(float x) {
     if (isnan(x)) return 7u;
     const uint32_t s = signbit(x) ? 8u : 0u;
     const float a = fabsf(x);
-    uint32_t c;
-    if (a <= 0.25f) c = 0;
-    else if (a < 0.75f) c = 1;
-    else if (a <= 1.25f) c = 2;
-    else if (a < 1.75f) c = 3;
-    else if (a <= 2.5f) c = 4;
-    else if (a < 3.5f) c = 5;
-    else if (a <= 5.0f) c = 6;
-    else c = 7;
+    // Branch-free: the code is the number of rounding thresholds a is past (ties go to
+    // the even code: > at 0.25, 1.25, 2.5, 5; >= at 0.75, 1.75, 3.5).
+    const uint32_t c = (uint32_t)(a > 0.25f) + (uint32_t)(a >= 0.75f) + (uint32_t)(a > 1.25f) +
+                       (uint32_t)(a >= 1.75f) + (uint32_t)(a > 2.5f) + (uint32_t)(a >= 3.5f) +
+                       (uint32_t)(a > 5.0f);
     return s | c;
 }
 
