@@ -25,17 +25,22 @@ pub(crate) fn tests(root: &Path, dir: &Path) -> Result<()> {
     ]);
     let bins = build(c, |msg| msg["profile"]["test"] == true)?;
     let names = install(&bins, &dir.join("bin"))?;
-    let mut script = String::from(
-        "#!/usr/bin/env bash\n# Runs the GPU tests of every bundled test binary.\n\
-         cd \"$(dirname \"$0\")\"\nfail=0\n",
-    );
+    let mut script = String::from(RUN_TESTS_HEAD);
     for n in &names {
         writeln!(
             script,
-            "echo \"== {n}\"; ./bin/{n} --ignored --test-threads=1 \"$@\" || fail=1"
+            "echo \"== {n}\"; ./bin/{n} --ignored --test-threads=1 --skip multi_gpu_ --skip multi_process_ \"${{args[@]}}\" || fail=1"
         )?;
     }
-    script.push_str("exit $fail\n");
+    script.push_str("if [ \"$gpus\" -ge 2 ]; then\n");
+    for n in &names {
+        writeln!(
+            script,
+            "  echo \"== {n} (multi-GPU)\"; ./bin/{n} --ignored --test-threads=1 multi_gpu_ \"${{args[@]}}\" || fail=1"
+        )?;
+        writeln!(script, "  launch ./bin/{n} || fail=1")?;
+    }
+    script.push_str("fi\nexit $fail\n");
     write_script(&dir.join("run-tests.sh"), &script)?;
     println!(
         "bundled {} test binaries into {}",
@@ -44,6 +49,46 @@ pub(crate) fn tests(root: &Path, dir: &Path) -> Result<()> {
     );
     Ok(())
 }
+
+/// The start of `run-tests.sh`: argument parsing, the NCCL shim, and the launcher of the
+/// one-process-per-GPU tests.
+const RUN_TESTS_HEAD: &str = r#"#!/usr/bin/env bash
+# Runs the GPU tests of every bundled test binary: ./run-tests.sh [--gpus N] [test args...]
+# With --gpus N (N >= 2) also the multi-GPU tests, and N processes per binary with the
+# torchrun variables for the multi_process_ tests.
+cd "$(dirname "$0")"
+gpus=1
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --gpus) gpus="$2"; shift 2 ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+export NCCL_NVLS_ENABLE=0
+# cudarc loads libnccl.so; where only the runtime's libnccl.so.2 exists, link it.
+if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
+  so2=$(ldconfig -p 2>/dev/null | awk '/libnccl\.so\.2 /{print $NF; exit}')
+  if [ -n "$so2" ]; then
+    shim="${TMPDIR:-/tmp}/tessera-nccl-shim"
+    mkdir -p "$shim" && ln -sf "$so2" "$shim/libnccl.so"
+    export LD_LIBRARY_PATH="$shim${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+fi
+# launch BIN: one process per GPU running BIN's multi_process_ tests.
+launch() {
+  local bin="$1" port=$((29500 + RANDOM % 1000)) pids=() status=0
+  if ! "$bin" --list --ignored 2>/dev/null | grep -q '^multi_process_'; then return 0; fi
+  echo "== $bin (one process per GPU, $gpus ranks)"
+  for r in $(seq 0 $((gpus - 1))); do
+    RANK=$r WORLD_SIZE=$gpus LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port       "$bin" --ignored --test-threads=1 multi_process_ &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || status=1; done
+  return $status
+}
+fail=0
+"#;
 
 /// Builds the GPU benchmark binaries into `dir/bin`, copies the PyTorch anchor script
 /// when `../shared/bench/torch_anchor.py` exists, and writes `dir/run-bench.sh OUTDIR`.

@@ -36,11 +36,18 @@ enum Cmd {
         out: Option<PathBuf>,
     },
     /// Run the GPU tests (the ignored ones) with the `cuda` features.
+    ///
+    /// With `--gpus N` (N ≥ 2) it also runs the multi-GPU tests (one thread per GPU) and
+    /// starts N processes with the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK,
+    /// MASTER_ADDR, MASTER_PORT) for the one-process-per-GPU tests.
     TestGpu {
         /// Instead of running, build stripped release test binaries and a `run-tests.sh`
         /// into DIR, for a machine with a GPU and no cargo.
         #[arg(long, value_name = "DIR")]
         bundle: Option<PathBuf>,
+        /// GPUs to use for the multi-GPU tests (1: skip them).
+        #[arg(long, default_value_t = 1)]
+        gpus: u32,
     },
     /// Run the GPU benchmarks: a table on stdout and JSON per crate.
     BenchGpu {
@@ -59,11 +66,15 @@ fn main() -> Result<()> {
     let root = workspace_root();
     match Cli::parse().cmd {
         Cmd::Ptx { resources, out } => ptx::run(&root, resources, out.as_deref()),
-        Cmd::TestGpu { bundle: Some(dir) } => bundle::tests(&root, &dir),
-        Cmd::TestGpu { bundle: None } => {
-            let mut c = cargo(&root);
-            c.args(["test", "--workspace", "--all-features", "--release", "--"])
-                .args(["--ignored", "--test-threads=1"]);
+        Cmd::TestGpu {
+            bundle: Some(dir), ..
+        } => bundle::tests(&root, &dir),
+        Cmd::TestGpu { bundle: None, gpus } => {
+            // One code path for both: build the bundle, run its script.
+            let dir = root.join("target/gpu-tests");
+            bundle::tests(&root, &dir)?;
+            let mut c = Command::new(dir.join("run-tests.sh"));
+            c.arg("--gpus").arg(gpus.to_string());
             run(c)
         }
         Cmd::BenchGpu {

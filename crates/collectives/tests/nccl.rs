@@ -501,17 +501,17 @@ fn quantized_gather_at_world_size_one_through_nccl() {
 
 /// Runs `f` on one NcclGroup rank per visible GPU, as threads of this process; `None`
 /// when the machine has fewer than two GPUs.
-fn on_every_gpu<R: Send>(f: impl Fn(Arc<dyn ProcessGroup>) -> R + Sync) -> Option<Vec<R>> {
+fn on_every_gpu<R: Send>(f: impl Fn(Arc<dyn ProcessGroup>) -> R + Sync) -> Vec<R> {
     let n = tessera_core::cuda::device_count().unwrap();
-    if n < 2 {
-        eprintln!("only {n} GPU: the multi-GPU part is skipped");
-        return None;
-    }
+    assert!(
+        n >= 2,
+        "multi-GPU tests need 2 or more GPUs, this machine has {n}: run `cargo xtask test-gpu --gpus N` on one"
+    );
     let s0 = store(n);
     let addr = s0.addr().to_string();
     let f = &f;
     let s0 = &s0;
-    Some(std::thread::scope(|sc| {
+    std::thread::scope(|sc| {
         let hs: Vec<_> = (0..n)
             .map(|r| {
                 let addr = addr.clone();
@@ -529,7 +529,7 @@ fn on_every_gpu<R: Send>(f: impl Fn(Arc<dyn ProcessGroup>) -> R + Sync) -> Optio
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
-    }))
+    })
 }
 
 /// Small integers (exact in bf16, sums exact), different per rank.
@@ -541,7 +541,7 @@ fn int_values(n: usize, rank: usize) -> Vec<f32> {
 
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
-fn every_gpu_as_a_rank_matches_the_thread_group() {
+fn multi_gpu_every_gpu_as_a_rank_matches_the_thread_group() {
     let ops = |rank: usize, world: usize, d: Device| -> Vec<Collective> {
         let v = int_values(4 * world * 8, rank);
         let mut ops = Vec::new();
@@ -566,7 +566,7 @@ fn every_gpu_as_a_rank_matches_the_thread_group() {
         }
         ops
     };
-    let Some(got) = on_every_gpu(|g| -> Vec<Vec<u8>> {
+    let got = on_every_gpu(|g| -> Vec<Vec<u8>> {
         let outs = g
             .run(ops(g.rank(), g.size(), g.device()))
             .unwrap()
@@ -574,9 +574,7 @@ fn every_gpu_as_a_rank_matches_the_thread_group() {
             .unwrap();
         g.barrier().unwrap();
         outs.iter().map(|t| t.to_bytes().unwrap()).collect()
-    }) else {
-        return;
-    };
+    });
     let world = got.len();
     let want = run_ranks(world, |tg| -> Vec<Vec<u8>> {
         let outs = tg
@@ -592,8 +590,8 @@ fn every_gpu_as_a_rank_matches_the_thread_group() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
-fn every_gpu_as_a_rank_gathers_quantized_and_splits() {
-    let Some(results) = on_every_gpu(|g| {
+fn multi_gpu_every_gpu_as_a_rank_gathers_quantized_and_splits() {
+    let results = on_every_gpu(|g| {
         let world = g.size();
         let rows = 32;
         let whole: Vec<f32> = values(world * rows * 64, 9);
@@ -640,20 +638,18 @@ fn every_gpu_as_a_rank_gathers_quantized_and_splits() {
             );
         }
         g.barrier().unwrap();
-    }) else {
-        return;
-    };
+    });
     assert!(results.len() >= 2);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
-fn a_collective_one_rank_skips_times_out_and_aborts() {
+fn multi_gpu_a_rank_that_skips_a_collective_times_out_and_aborts() {
     let n = tessera_core::cuda::device_count().unwrap();
-    if n < 2 {
-        eprintln!("only {n} GPU: skipped");
-        return;
-    }
+    assert!(
+        n >= 2,
+        "multi-GPU tests need 2 or more GPUs, this machine has {n}"
+    );
     let s0 = store(2);
     let addr = s0.addr().to_string();
     let options = NcclOptions {
@@ -695,14 +691,14 @@ fn a_collective_one_rank_skips_times_out_and_aborts() {
 // ---------------------------------------------------------------------------------
 
 /// Run once per rank with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and
-/// `MASTER_PORT` set (one process per GPU); without them it only says so and passes.
+/// `MASTER_PORT` set (one process per GPU; `cargo xtask test-gpu --gpus N` starts them).
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
-fn ranks_from_the_environment() {
-    if std::env::var_os("WORLD_SIZE").is_none() {
-        eprintln!("WORLD_SIZE is not set: start one process per GPU with the torchrun variables");
-        return;
-    }
+fn multi_process_ranks_from_the_environment() {
+    assert!(
+        std::env::var_os("WORLD_SIZE").is_some(),
+        "WORLD_SIZE is not set: start one process per GPU with the torchrun variables (cargo xtask test-gpu --gpus N does)"
+    );
     let g = NcclGroup::from_env().unwrap();
     let (rank, world) = (g.rank(), g.size());
     assert!(g.store().is_some_and(|s| s.is_server() == (rank == 0)));
