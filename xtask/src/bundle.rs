@@ -24,6 +24,9 @@ pub(crate) fn tests(root: &Path, dir: &Path) -> Result<()> {
         "--no-run",
     ]);
     let bins = build(c, |msg| msg["profile"]["test"] == true)?;
+    // Only binaries with GPU (ignored) tests travel: the bundle must stay small enough
+    // to copy to a GPU machine.
+    let bins: Vec<PathBuf> = bins.into_iter().filter(|b| has_ignored_tests(b)).collect();
     let names = install(&bins, &dir.join("bin"))?;
     let mut script = String::from(RUN_TESTS_HEAD);
     for n in &names {
@@ -133,6 +136,15 @@ pub(crate) fn benches(root: &Path, dir: &Path) -> Result<()> {
         dir.display()
     );
     Ok(())
+}
+
+/// Whether a test binary lists any ignored test (`--list --ignored`).
+fn has_ignored_tests(exe: &Path) -> bool {
+    Command::new(exe)
+        .args(["--list", "--ignored"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).lines().any(|l| l.ends_with(": test")))
+        .unwrap_or(true)
 }
 
 fn cargo_json(root: &Path) -> Command {
