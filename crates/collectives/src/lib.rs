@@ -53,7 +53,8 @@ pub use group::{Collective, ProcessGroup, ReduceOp};
 pub use nccl::{NcclGroup, NcclOptions};
 pub use ops::{
     Chunk1d, GroupAmaxReduction, MaybeQuantized, allreduce, gather_along_first_dim,
-    gather_split_1d_tensor, reduce_scatter_along_first_dim, split_tensor_into_1d_equal_chunks,
+    gather_along_first_dim_uneven, gather_split_1d_tensor, reduce_scatter_along_first_dim,
+    split_tensor_into_1d_equal_chunks,
 };
 pub use store::{DEFAULT_STORE_TIMEOUT, RendezvousEnv, Store, StoreServer};
 pub use thread::{DEFAULT_TIMEOUT, ThreadGroup, run_ranks};

@@ -208,6 +208,161 @@ fn gather_quantized(
     }))
 }
 
+/// [`gather_along_first_dim`] for shards whose first dimensions differ between ranks
+/// (beyond TE, which needs equal shards): `rank_d0[r]` is rank `r`'s first dimension,
+/// known to every rank (as in sequence parallelism with a ragged last shard, or FSDP
+/// with uneven parameter shards).
+///
+/// Each rank pads its send buffers to the largest rank's size, one coalesced all-gather
+/// moves them, and the padding is dropped before the buffers are joined. For quantized
+/// gathers every shard's first dimension must cover whole blocks of the format (as for
+/// equal shards); otherwise the tensors travel in high precision.
+pub fn gather_along_first_dim_uneven(
+    input: &MaybeQuantized,
+    group: &Arc<dyn ProcessGroup>,
+    quantizer: Option<&mut dyn Quantizer>,
+    rank_d0: &[usize],
+) -> Result<Work<MaybeQuantized>> {
+    const OP: &str = "gather_along_first_dim_uneven";
+    let (world, rank) = (group.size(), group.rank());
+    let d0 = input.shape().dims().first().copied().unwrap_or(1);
+    if rank_d0.len() != world || rank_d0[rank] != d0 || input.shape().rank() == 0 {
+        return Err(Error::shape(
+            OP,
+            format!(
+                "rank_d0 {rank_d0:?} must list {world} first dimensions, this rank's ({d0}) at index {rank}"
+            ),
+        ));
+    }
+    if rank_d0.iter().all(|&d| d == d0) {
+        return gather_along_first_dim(input, group, quantizer);
+    }
+    if rank_d0.contains(&0) {
+        return Err(Error::shape(
+            OP,
+            format!("every rank needs a non-empty shard, got first dimensions {rank_d0:?}"),
+        ));
+    }
+    let shape_of = |d: usize| {
+        let mut dims = input.shape().dims().to_vec();
+        dims[0] = d;
+        Shape::new(dims)
+    };
+    let local = match (input, quantizer) {
+        (MaybeQuantized::Plain(t), None) => return gather_plain_uneven(t, group, rank_d0),
+        (MaybeQuantized::Plain(t), Some(q)) => {
+            if !rank_d0.iter().all(|&d| q.is_quantizable(&shape_of(d))) {
+                tracing::warn!(
+                    format = q.kind().name(),
+                    "uneven shards cannot be gathered quantized; gathering in high precision"
+                );
+                let full = gather_plain_uneven(t, group, rank_d0)?
+                    .into_result()?
+                    .to_plain()?;
+                return Ok(Work::done(MaybeQuantized::Quantized(q.quantize(&full)?)));
+            }
+            let reduction: Arc<dyn AmaxReduction> =
+                Arc::new(GroupAmaxReduction::new(group.clone()));
+            q.set_amax_reduction(Some(reduction));
+            let r = q.quantize(t);
+            q.set_amax_reduction(None);
+            r?
+        }
+        (MaybeQuantized::Quantized(qt), _) => qt.clone(),
+    };
+    let layout = wire::layout(&local)?;
+    let packed = wire::pack(&local)?;
+    let mut ops = Vec::new();
+    let mut plan = Vec::new();
+    for (name, t) in &packed {
+        let w = layout
+            .iter()
+            .find(|w| w.name == *name)
+            .expect("packed buffers are in the layout");
+        // Each rank's valid size scales with its first dimension (every shard covers
+        // whole blocks, so the division is exact).
+        let per_rank: Vec<[usize; 2]> = rank_d0
+            .iter()
+            .map(|&d| match w.gather {
+                Gather::Rows => [w.valid[0] * d / d0, w.valid[1]],
+                _ => [w.valid[0], w.valid[1] * d / d0],
+            })
+            .collect();
+        let max = [
+            per_rank.iter().map(|v| v[0]).max().unwrap_or(0),
+            per_rank.iter().map(|v| v[1]).max().unwrap_or(0),
+        ];
+        let elem = t.dtype().size_in_bytes();
+        let padded = tessera_quant::layout::pad(
+            &t.to_bytes()?,
+            w.valid[0],
+            w.valid[1],
+            max[0],
+            max[1],
+            elem,
+        );
+        let input = Tensor::from_bytes(&padded, Shape::new(max), t.dtype(), group.device())?;
+        let output = Tensor::empty([world * max[0], max[1]], t.dtype(), group.device())?;
+        ops.push(Collective::AllGather { input, output });
+        plan.push((*name, t.dtype(), max, per_rank));
+    }
+    let rank_d0 = rank_d0.to_vec();
+    Ok(group.run(ops)?.then(move |outputs| {
+        let mut parts = vec![BTreeMap::new(); world];
+        for ((name, dtype, max, per_rank), out) in plan.into_iter().zip(outputs) {
+            let elem = dtype.size_in_bytes();
+            let bytes = out.to_bytes()?;
+            let block = max[0] * max[1] * elem;
+            for (r, v) in per_rank.iter().enumerate() {
+                let valid = tessera_quant::layout::strip_padding(
+                    &bytes[r * block..][..block],
+                    max[1],
+                    v[0],
+                    v[1],
+                    elem,
+                );
+                parts[r].insert(
+                    name,
+                    Tensor::from_bytes(&valid, Shape::new(*v), dtype, tessera_core::Device::Cpu)?,
+                );
+            }
+        }
+        let out = wire::unpack_parts(&local, &parts, &rank_d0)?;
+        Ok(MaybeQuantized::Quantized(out.to_device(local.device())?))
+    }))
+}
+
+/// Plain uneven gather: pad to the largest shard, gather, drop the padding.
+fn gather_plain_uneven(
+    t: &Tensor,
+    group: &Arc<dyn ProcessGroup>,
+    rank_d0: &[usize],
+) -> Result<Work<MaybeQuantized>> {
+    let max = rank_d0.iter().copied().max().unwrap_or(0);
+    let d0 = t.shape().dims()[0];
+    let row = t.size_in_bytes() / d0.max(1);
+    let mut bytes = t.to_bytes()?;
+    bytes.resize(max * row, 0);
+    let mut dims = t.shape().dims().to_vec();
+    dims[0] = max;
+    let padded = Tensor::from_bytes(&bytes, Shape::new(dims.clone()), t.dtype(), t.device())?;
+    let rank_d0 = rank_d0.to_vec();
+    Ok(group.all_gather(&padded)?.then(move |all| {
+        let b = all.to_bytes()?;
+        let mut out = Vec::with_capacity(rank_d0.iter().sum::<usize>() * row);
+        for (r, &d) in rank_d0.iter().enumerate() {
+            out.extend_from_slice(&b[r * max * row..][..d * row]);
+        }
+        dims[0] = rank_d0.iter().sum();
+        Ok(MaybeQuantized::Plain(Tensor::from_bytes(
+            &out,
+            Shape::new(dims),
+            all.dtype(),
+            all.device(),
+        )?))
+    }))
+}
+
 /// TE's `reduce_scatter_along_first_dim`: the sum over ranks, this rank's 1/size of dim 0.
 pub fn reduce_scatter_along_first_dim(
     input: &Tensor,

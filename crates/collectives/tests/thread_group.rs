@@ -400,3 +400,113 @@ fn subgroups() {
         vec![None, Some(vec![3.0, 1.0]), None, Some(vec![3.0, 1.0])]
     );
 }
+
+#[test]
+fn uneven_shards_gather_like_the_whole_tensor() {
+    let e4 = Fp8Format::E4M3;
+    let cases: Vec<(&str, usize, Vec<usize>, MakeQuantizer)> = vec![
+        (
+            "fp8 current",
+            8,
+            vec![1, 3, 2],
+            Box::new(move || Box::new(Fp8CurrentScaling::new(e4))),
+        ),
+        (
+            "mxfp8",
+            64,
+            vec![32, 96, 64],
+            Box::new(move || Box::new(Mxfp8Quantizer::new(e4))),
+        ),
+        (
+            "mxfp8 2d swizzled",
+            64,
+            vec![64, 32],
+            Box::new(move || {
+                Box::new(
+                    Mxfp8Quantizer::new(e4)
+                        .with_2d(true)
+                        .with_swizzled_scales(true),
+                )
+            }),
+        ),
+        (
+            "nvfp4 rht",
+            32,
+            vec![16, 48, 32, 16],
+            Box::new(|| Box::new(Nvfp4Quantizer::new().with_rht(true))),
+        ),
+        (
+            "fp8 block 1d",
+            128,
+            vec![128, 256],
+            Box::new(move || Box::new(Fp8BlockQuantizer::new(e4, BlockDim::OneD))),
+        ),
+        (
+            "fp8 block 2d",
+            128,
+            vec![256, 128, 128],
+            Box::new(move || Box::new(Fp8BlockQuantizer::new(e4, BlockDim::TwoD))),
+        ),
+    ];
+    for (what, cols, rows, make) in &cases {
+        let world = rows.len();
+        let total: usize = rows.iter().sum();
+        let whole = values(total * cols, 42);
+        let starts: Vec<usize> = rows
+            .iter()
+            .scan(0, |s, &r| {
+                let at = *s;
+                *s += r;
+                Some(at)
+            })
+            .collect();
+        let results = run_ranks(world, |g| -> Result<_> {
+            let r = g.rank();
+            let group = group(g);
+            let x = Tensor::from_slice(
+                &whole[starts[r] * cols..][..rows[r] * cols],
+                [rows[r], *cols],
+                Device::Cpu,
+            )?;
+            let mut q = make();
+            tessera_collectives::gather_along_first_dim_uneven(
+                &MaybeQuantized::Plain(x.clone()),
+                &group,
+                Some(q.as_mut()),
+                rows,
+            )?
+            .into_result()
+            .and_then(|qt| {
+                Ok((
+                    qt,
+                    tessera_collectives::gather_along_first_dim_uneven(
+                        &MaybeQuantized::Plain(x),
+                        &group,
+                        None,
+                        rows,
+                    )?
+                    .into_result()?,
+                ))
+            })
+        })
+        .unwrap();
+        let full = Tensor::from_slice(&whole, [total, *cols], Device::Cpu).unwrap();
+        let want = make().quantize(&full).unwrap();
+        for (r, res) in results.into_iter().enumerate() {
+            let (got, plain) = res.unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
+            assert_eq!(
+                plain.to_plain().unwrap().to_vec::<f32>().unwrap(),
+                whole,
+                "{what}: plain gather"
+            );
+            let got = got.quantized().unwrap();
+            for ((n, a), (_, b)) in got.data_tensors().into_iter().zip(want.data_tensors()) {
+                assert_eq!(
+                    a.to_bytes().unwrap(),
+                    b.to_bytes().unwrap(),
+                    "{what}: rank {r} buffer {n}"
+                );
+            }
+        }
+    }
+}

@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 
 use tessera_core::{DType, Device, Error, Result, Shape, Tensor};
 
-use crate::layout::{pad, strip_padding, swap_first_dims};
+use crate::layout::{pad, strip_padding};
 use crate::{BlockDim, BufferName, Kind, QuantizedTensor, block, buffer_specs, mxfp8, nvfp4};
 
 /// How one buffer travels in a first-dimension all-gather.
@@ -231,28 +231,19 @@ pub fn gathered_shape(shape: &Shape, world: usize) -> Shape {
 
 /// Step 3: the gathered tensor from the concatenated send buffers (`gathered`, each
 /// `[world·rows, cols]`) and the local tensor (for the replicated buffers and the
-/// format).
+/// format). Every rank sent a shard of the local tensor's shape.
 pub fn unpack(
     local: &QuantizedTensor,
     world: usize,
     gathered: BTreeMap<BufferName, Tensor>,
 ) -> Result<QuantizedTensor> {
     const OP: &str = "wire::unpack";
-    let local = local.to_device(Device::Cpu)?;
-    let shape = gathered_shape(local.shape(), world);
-    let (m, k) = shape.flat_2d();
-    let kind = local.kind();
-    let specs = buffer_specs(&kind, &shape)?;
-    let mut buffers = BTreeMap::new();
-    for w in layout(&local)? {
-        let spec = specs
-            .iter()
-            .find(|s| s.name == w.name)
-            .expect("same format");
-        if w.gather == Gather::Replicated {
-            buffers.insert(w.name, local.buffer(w.name).expect("listed").clone());
-            continue;
-        }
+    if world == 0 {
+        return Err(Error::invalid(OP, "a gather needs at least one rank"));
+    }
+    let layout = layout(local)?;
+    let mut parts = vec![BTreeMap::new(); world];
+    for w in layout.iter().filter(|w| w.gather != Gather::Replicated) {
         let g = gathered
             .get(&w.name)
             .ok_or_else(|| Error::invalid(OP, format!("the gathered buffers lack `{}`", w.name)))?;
@@ -270,13 +261,122 @@ pub fn unpack(
                 ),
             ));
         }
-        let (valid, bytes) = match w.gather {
-            Gather::Rows => (want, g.as_bytes()?.to_vec()),
-            Gather::Columns => {
-                let s = swap_first_dims(g, world)?;
-                ([w.valid[0], world * w.valid[1]], s.as_bytes()?.to_vec())
+        let bytes = g.to_bytes()?;
+        let per = bytes.len() / world;
+        for (r, part) in parts.iter_mut().enumerate() {
+            part.insert(
+                w.name,
+                Tensor::from_bytes(
+                    &bytes[r * per..][..per],
+                    Shape::new(w.valid),
+                    w.dtype,
+                    Device::Cpu,
+                )?,
+            );
+        }
+    }
+    let d0 = local.shape().dims()[0];
+    unpack_parts(local, &parts, &vec![d0; world])
+}
+
+/// Step 3 for shards of different first dimensions: `parts[r]` holds rank `r`'s packed
+/// buffers (what [`pack`] made on that rank) and `rank_d0[r]` its first dimension. Rows
+/// buffers are concatenated in rank order; for Columns buffers each row is the
+/// concatenation of that row across ranks (what `swap_first_dims` does when the shards
+/// are equal). Padding is restored and scales are swizzled where the format asks.
+pub fn unpack_parts(
+    local: &QuantizedTensor,
+    parts: &[BTreeMap<BufferName, Tensor>],
+    rank_d0: &[usize],
+) -> Result<QuantizedTensor> {
+    const OP: &str = "wire::unpack";
+    if parts.is_empty() || parts.len() != rank_d0.len() {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "{} ranks' buffers but {} first dimensions",
+                parts.len(),
+                rank_d0.len()
+            ),
+        ));
+    }
+    let local = local.to_device(Device::Cpu)?;
+    let mut dims = local.shape().dims().to_vec();
+    dims[0] = rank_d0.iter().sum();
+    let shape = Shape::new(dims);
+    let (m, k) = shape.flat_2d();
+    let kind = local.kind();
+    let specs = buffer_specs(&kind, &shape)?;
+    let mut buffers = BTreeMap::new();
+    for w in layout(&local)? {
+        let spec = specs
+            .iter()
+            .find(|s| s.name == w.name)
+            .expect("same format");
+        if w.gather == Gather::Replicated {
+            buffers.insert(w.name, local.buffer(w.name).expect("listed").clone());
+            continue;
+        }
+        let elem = w.dtype.size_in_bytes();
+        let mut mats = Vec::with_capacity(parts.len());
+        for (r, part) in parts.iter().enumerate() {
+            let t = part.get(&w.name).ok_or_else(|| {
+                Error::invalid(OP, format!("rank {r}'s buffers lack `{}`", w.name))
+            })?;
+            let d = t.shape().dims();
+            if d.len() != 2 || t.dtype() != w.dtype {
+                return Err(Error::shape(
+                    OP,
+                    format!(
+                        "rank {r}'s `{}` must be a 2-D {} matrix, got {} {}",
+                        w.name,
+                        w.dtype,
+                        t.dtype(),
+                        t.shape()
+                    ),
+                ));
             }
-            Gather::Replicated => unreachable!(),
+            mats.push(([d[0], d[1]], t.to_bytes()?));
+        }
+        let (valid, bytes) = match w.gather {
+            Gather::Rows => {
+                let cols = mats[0].0[1];
+                if let Some(r) = mats.iter().position(|(d, _)| d[1] != cols) {
+                    return Err(Error::shape(
+                        OP,
+                        format!(
+                            "rank {r}'s `{}` has {} columns, rank 0's {cols}",
+                            w.name, mats[r].0[1]
+                        ),
+                    ));
+                }
+                let rows = mats.iter().map(|(d, _)| d[0]).sum();
+                (
+                    [rows, cols],
+                    mats.into_iter().flat_map(|(_, b)| b).collect::<Vec<u8>>(),
+                )
+            }
+            Gather::Columns => {
+                let rows = mats[0].0[0];
+                if let Some(r) = mats.iter().position(|(d, _)| d[0] != rows) {
+                    return Err(Error::shape(
+                        OP,
+                        format!(
+                            "rank {r}'s `{}` has {} rows, rank 0's {rows}",
+                            w.name, mats[r].0[0]
+                        ),
+                    ));
+                }
+                let cols: usize = mats.iter().map(|(d, _)| d[1]).sum();
+                let mut out = Vec::with_capacity(rows * cols * elem);
+                for i in 0..rows {
+                    for (d, b) in &mats {
+                        out.extend_from_slice(&b[i * d[1] * elem..][..d[1] * elem]);
+                    }
+                }
+                ([rows, cols], out)
+            }
+            Gather::Replicated => unreachable!("handled above"),
         };
         let full = match (kind, w.name) {
             (Kind::Mxfp8 { swizzled, .. }, BufferName::ScaleInv) => {
@@ -299,14 +399,7 @@ pub fn unpack(
                 ) =>
             {
                 let d = spec.shape.dims();
-                pad(
-                    &bytes,
-                    valid[0],
-                    valid[1],
-                    d[0],
-                    d[1],
-                    w.dtype.size_in_bytes(),
-                )
+                pad(&bytes, valid[0], valid[1], d[0], d[1], elem)
             }
             _ => bytes,
         };
@@ -318,18 +411,22 @@ pub fn unpack(
     QuantizedTensor::from_buffers(kind, shape, local.source_dtype(), buffers)
 }
 
-/// The whole gather on one process: `parts[r]` is rank `r`'s tensor. Checks that the
-/// parts agree in format, shape, usage and replicated metadata (a rank that quantized
-/// with its own per-tensor scale would make the gathered bytes inconsistent).
+/// The whole gather on one process: `parts[r]` is rank `r`'s tensor. The shards may
+/// differ in their first dimension (beyond TE, which needs equal shards); everything
+/// else — format, trailing dimensions, usage and replicated metadata — must agree (a
+/// rank that quantized with its own per-tensor scale would make the gathered bytes
+/// inconsistent).
 pub fn gather_reference(parts: &[QuantizedTensor]) -> Result<QuantizedTensor> {
     const OP: &str = "wire::gather_reference";
     let first = parts
         .first()
         .ok_or_else(|| Error::invalid(OP, "no parts to gather"))?;
-    let mut sent: BTreeMap<BufferName, Vec<u8>> = BTreeMap::new();
-    let mut rows: BTreeMap<BufferName, [usize; 2]> = BTreeMap::new();
+    let trailing = |q: &QuantizedTensor| q.shape().dims().get(1..).map(<[usize]>::to_vec);
+    let mut packed = Vec::with_capacity(parts.len());
+    let mut rank_d0 = Vec::with_capacity(parts.len());
     for (r, p) in parts.iter().enumerate() {
-        if p.kind() != first.kind() || p.shape() != first.shape() || p.usage() != first.usage() {
+        if p.kind() != first.kind() || trailing(p) != trailing(first) || p.usage() != first.usage()
+        {
             return Err(Error::invalid(
                 OP,
                 format!(
@@ -356,28 +453,8 @@ pub fn gather_reference(parts: &[QuantizedTensor]) -> Result<QuantizedTensor> {
                 ));
             }
         }
-        for (name, t) in pack(p)? {
-            sent.entry(name)
-                .or_default()
-                .extend_from_slice(t.as_bytes()?);
-            rows.insert(name, [t.shape().dims()[0], t.shape().dims()[1]]);
-        }
+        packed.push(pack(p)?.into_iter().collect::<BTreeMap<_, _>>());
+        rank_d0.push(p.shape().dims()[0]);
     }
-    let world = parts.len();
-    let gathered = sent
-        .into_iter()
-        .map(|(name, bytes)| {
-            let [r, c] = rows[&name];
-            let dtype = layout(first)?
-                .into_iter()
-                .find(|w| w.name == name)
-                .map(|w| w.dtype)
-                .unwrap_or(DType::U8);
-            Ok((
-                name,
-                Tensor::from_bytes(&bytes, Shape::new([world * r, c]), dtype, Device::Cpu)?,
-            ))
-        })
-        .collect::<Result<_>>()?;
-    unpack(first, world, gathered)
+    unpack_parts(first, &packed, &rank_d0)
 }

@@ -509,10 +509,24 @@ fn gather_rejects_parts_with_different_per_tensor_metadata() {
     let m_e5 = Mxfp8Quantizer::new(Fp8Format::E5M2)
         .quantize(&tensor(&[1.0; 1024], &[32, 32], DType::F32))
         .unwrap();
-    for other in [&m_row, &m64, &m_e5] {
+    for other in [&m_row, &m_e5] {
         let e = wire::gather_reference(&[m.clone(), other.clone()]).unwrap_err();
         assert!(e.to_string().contains("rank 1"), "{e}");
     }
+    // Shards of different first dimensions gather (beyond TE): [32, 32] + [64, 32].
+    let g = wire::gather_reference(&[m.clone(), m64.clone()]).unwrap();
+    let whole = Mxfp8Quantizer::new(Fp8Format::E4M3)
+        .quantize(&tensor(&[1.0; 3072], &[96, 32], DType::F32))
+        .unwrap();
+    for ((n, a), (_, b)) in g.data_tensors().into_iter().zip(whole.data_tensors()) {
+        assert_eq!(a.to_bytes().unwrap(), b.to_bytes().unwrap(), "{n}");
+    }
+    // Trailing dimensions must agree.
+    let m_wide = Mxfp8Quantizer::new(Fp8Format::E4M3)
+        .quantize(&tensor(&[1.0; 2048], &[32, 64], DType::F32))
+        .unwrap();
+    let e = wire::gather_reference(&[m.clone(), m_wide]).unwrap_err();
+    assert!(e.to_string().contains("rank 1"), "{e}");
     assert!(wire::gather_reference(&[]).is_err());
 }
 
