@@ -143,7 +143,11 @@ fn has_ignored_tests(exe: &Path) -> bool {
     Command::new(exe)
         .args(["--list", "--ignored"])
         .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).lines().any(|l| l.ends_with(": test")))
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .any(|l| l.ends_with(": test"))
+        })
         .unwrap_or(true)
 }
 
