@@ -50,10 +50,12 @@ struct Round {
 }
 
 /// What a rank contributes to an exchange: a description of its operations (checked
-/// against the other ranks') and their input bytes.
+/// against the other ranks') and their inputs. The inputs are tensor clones — shared,
+/// immutable storage (tensors are copy-on-write) — so depositing copies nothing and the
+/// other ranks read the bytes where they are.
 struct Payload {
     signature: String,
-    data: Vec<Vec<u8>>,
+    data: Vec<Option<Tensor>>,
 }
 
 impl Shared {
@@ -188,7 +190,11 @@ impl ThreadGroup {
         self.shared.cv.notify_all();
     }
 
-    fn exchange(&self, signature: String, data: Vec<Vec<u8>>) -> Result<Arc<Vec<Arc<Payload>>>> {
+    fn exchange(
+        &self,
+        signature: String,
+        data: Vec<Option<Tensor>>,
+    ) -> Result<Arc<Vec<Arc<Payload>>>> {
         let all = self
             .shared
             .exchange(self.rank, Payload { signature, data })?;
@@ -265,26 +271,28 @@ impl ProcessGroup for ThreadGroup {
         for op in &ops {
             op.check(self.size(), Device::Cpu)?;
         }
-        let data = ops
-            .iter()
-            .map(|op| match op {
-                Collective::AllGather { input, .. } | Collective::ReduceScatter { input, .. } => {
-                    input.as_bytes().map(<[u8]>::to_vec)
-                }
-                Collective::AllReduce { tensor, .. } => tensor.as_bytes().map(<[u8]>::to_vec),
-                Collective::Broadcast { tensor, root } if *root == self.rank => {
-                    tensor.as_bytes().map(<[u8]>::to_vec)
-                }
-                Collective::Broadcast { .. } => Ok(Vec::new()),
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let data =
+            ops.iter()
+                .map(|op| match op {
+                    Collective::AllGather { input, .. }
+                    | Collective::ReduceScatter { input, .. } => Some(input.clone()),
+                    Collective::AllReduce { tensor, .. } => Some(tensor.clone()),
+                    Collective::Broadcast { tensor, root } if *root == self.rank => {
+                        Some(tensor.clone())
+                    }
+                    Collective::Broadcast { .. } => None,
+                })
+                .collect::<Vec<_>>();
         let all = self.exchange(signature(&ops), data)?;
         let size = self.size();
         let outputs = ops
             .into_iter()
             .enumerate()
             .map(|(i, op)| {
-                let parts: Vec<&[u8]> = all.iter().map(|p| p.data[i].as_slice()).collect();
+                let parts: Vec<&[u8]> = all
+                    .iter()
+                    .map(|p| p.data[i].as_ref().map_or(Ok(&[][..]), Tensor::as_bytes))
+                    .collect::<Result<_>>()?;
                 match op {
                     Collective::AllGather { mut output, .. } => {
                         let out = output.as_bytes_mut()?;

@@ -44,16 +44,33 @@ struct HostBuffer {
 struct Chunk([u8; 64]);
 
 impl HostBuffer {
+    /// `len` zero bytes. Large buffers come from the allocator's zeroed memory
+    /// (`calloc`: fresh pages are zero without being written), so allocating an output
+    /// that will be overwritten costs no pass over it.
     fn zeroed(len: usize) -> Result<Self> {
         let n = len.div_ceil(64);
-        let mut chunks = Vec::new();
-        chunks.try_reserve_exact(n).map_err(|_| {
+        let too_large = || {
             Error::shape(
                 "Tensor::alloc",
                 format!("cannot allocate {len} bytes of host memory"),
             )
-        })?;
-        chunks.resize(n, Chunk([0; 64]));
+        };
+        if n == 0 {
+            return Ok(HostBuffer {
+                chunks: Vec::new(),
+                len,
+            });
+        }
+        let layout = std::alloc::Layout::array::<Chunk>(n).map_err(|_| too_large())?;
+        // SAFETY: `layout` has a non-zero size (n > 0) and Chunk's alignment.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<Chunk>();
+        if ptr.is_null() {
+            return Err(too_large());
+        }
+        // SAFETY: `ptr` was allocated by the global allocator with the layout of exactly
+        // `n` Chunks (so capacity n), and all `n` are initialised: all-zero bytes are a
+        // valid Chunk (it is Zeroable).
+        let chunks = unsafe { Vec::from_raw_parts(ptr, n, n) };
         Ok(HostBuffer { chunks, len })
     }
 
