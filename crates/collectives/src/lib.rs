@@ -16,6 +16,12 @@
 //!   on a project-owned `Communicator` (non-blocking init, split, abort, async-error
 //!   polling and timeouts, so a failed peer is an error rather than a hang). Without a
 //!   CUDA driver or NCCL library it returns [`tessera_core::Error::CudaUnavailable`].
+//! - [`SymmetricAllReduce`]: TE's symmetric-memory all-reduce, one-shot and two-shot
+//!   ([`SymmAlgo`]), over buffers every rank of a single-host group can read, cached per
+//!   `(numel, dtype)`: shared host memory for ranks that are threads, plain `cuMemAlloc`
+//!   buffers reached through CUDA IPC or peer access on GPUs (feature `cuda`). Results
+//!   equal the ThreadGroup's all-reduce bit for bit; calls may be asynchronous; the
+//!   multimem variant is a typed `unsupported:` error (NVLink multicast stays off).
 //!
 //! ```
 //! use std::sync::Arc;
@@ -45,6 +51,7 @@ mod group;
 pub mod nccl;
 mod ops;
 mod store;
+pub mod symmetric;
 mod thread;
 mod work;
 
@@ -57,5 +64,6 @@ pub use ops::{
     split_tensor_into_1d_equal_chunks,
 };
 pub use store::{DEFAULT_STORE_TIMEOUT, RendezvousEnv, Store, StoreServer};
+pub use symmetric::{MAX_SYMMETRIC_GPU_RANKS, SymmAlgo, SymmetricAllReduce, SymmetricOptions};
 pub use thread::{DEFAULT_TIMEOUT, ThreadGroup, run_ranks};
 pub use work::Work;
