@@ -45,22 +45,8 @@ const BATCH: usize = 10;
 
 /// Median milliseconds per run of `f` over `iters` event-timed batches of [`BATCH`]
 /// runs, after a warm-up batch.
-fn time(dev: &CudaDevice, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    for _ in 0..BATCH {
-        f()?;
-    }
-    let timer = EventTimer::new(dev)?;
-    let mut ms = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        timer.start()?;
-        for _ in 0..BATCH {
-            f()?;
-        }
-        timer.stop()?;
-        ms.push(f64::from(timer.elapsed_ms()?) / BATCH as f64);
-    }
-    ms.sort_by(f64::total_cmp);
-    Ok(ms[ms.len() / 2])
+fn time(dev: &CudaDevice, iters: usize, f: impl FnMut() -> Result<()>) -> Result<f64> {
+    EventTimer::median_ms(dev, iters, BATCH, f)
 }
 
 struct Row {

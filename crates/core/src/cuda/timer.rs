@@ -48,6 +48,36 @@ impl EventTimer {
     }
 }
 
+impl EventTimer {
+    /// The median milliseconds per run of `f` on `device`'s stream: `samples` timed
+    /// batches of `batch` back-to-back runs, after one warm-up batch. Batching keeps the
+    /// queue full, so the host's launch cost (which would sit between a start event and
+    /// the first kernel) is hidden, as it is in a training step.
+    pub fn median_ms(
+        device: &CudaDevice,
+        samples: usize,
+        batch: usize,
+        mut f: impl FnMut() -> Result<()>,
+    ) -> Result<f64> {
+        let batch = batch.max(1);
+        for _ in 0..batch {
+            f()?;
+        }
+        let timer = EventTimer::new(device)?;
+        let mut ms = Vec::with_capacity(samples.max(1));
+        for _ in 0..samples.max(1) {
+            timer.start()?;
+            for _ in 0..batch {
+                f()?;
+            }
+            timer.stop()?;
+            ms.push(f64::from(timer.elapsed_ms()?) / batch as f64);
+        }
+        ms.sort_by(f64::total_cmp);
+        Ok(ms[ms.len() / 2])
+    }
+}
+
 impl fmt::Debug for EventTimer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("EventTimer").finish_non_exhaustive()
