@@ -60,6 +60,27 @@ pub enum Command {
     /// high precision and are quantized after the gather. Prints, per tensor, the bytes
     /// each rank sent.
     Gather(GatherArgs),
+
+    /// Consolidate a sharded FSDP checkpoint (a directory of per-rank .safetensors shards
+    /// and an index.json, as tessera-fsdp's `Fsdp::save_sharded` writes) into one
+    /// .safetensors file holding every parameter whole.
+    ///
+    /// The rows of each parameter are read from whichever shard files the index lists for
+    /// them; every row must be in exactly one shard. Parameters are written as f32 with
+    /// their full shapes; the `__metadata__` records the format
+    /// (`tessera-fsdp-consolidated`) and the world size the checkpoint was saved with.
+    /// Prints one line per parameter and a summary.
+    Consolidate(ConsolidateArgs),
+}
+
+/// `tessera consolidate`.
+#[derive(Debug, Clone, Args)]
+pub struct ConsolidateArgs {
+    /// The checkpoint directory (holding index.json).
+    pub checkpoint: PathBuf,
+
+    /// The .safetensors file to write (written atomically).
+    pub output: PathBuf,
 }
 
 /// Where the ranks of `tessera gather` run.

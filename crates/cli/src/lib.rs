@@ -52,6 +52,7 @@
 #![warn(missing_docs)]
 
 pub mod args;
+pub mod consolidate;
 pub mod dequantize;
 pub mod gather;
 pub mod io;
@@ -85,6 +86,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Dequantize(a) => dequantize::run(&a),
         Command::Report(a) => report::run(&a),
         Command::Gather(a) => gather::run(&a),
+        Command::Consolidate(a) => consolidate::run(&a),
     }
 }
 

@@ -80,8 +80,9 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Deposits `payload` for `rank` and returns every rank's payload of the same round.
-    fn exchange(&self, rank: usize, payload: Payload) -> Result<Arc<Vec<Arc<Payload>>>> {
+    /// Deposits `payload` for `rank` and returns the round's number (the same on every
+    /// rank) and every rank's payload of that round.
+    fn exchange(&self, rank: usize, payload: Payload) -> Result<(u64, Arc<Vec<Arc<Payload>>>)> {
         const OP: &str = "ThreadGroup";
         let deadline = Instant::now() + self.timeout;
         let mut st = self.lock();
@@ -125,7 +126,7 @@ impl Shared {
             st.seq += 1;
             self.cv.notify_all();
         }
-        Ok(out)
+        Ok((seq, out))
     }
 
     fn wait<'a>(
@@ -194,8 +195,8 @@ impl ThreadGroup {
         &self,
         signature: String,
         data: Vec<Option<Tensor>>,
-    ) -> Result<Arc<Vec<Arc<Payload>>>> {
-        let all = self
+    ) -> Result<(u64, Arc<Vec<Arc<Payload>>>)> {
+        let (seq, all) = self
             .shared
             .exchange(self.rank, Payload { signature, data })?;
         let mine = &all[self.rank].signature;
@@ -208,7 +209,7 @@ impl ThreadGroup {
                 ),
             ));
         }
-        Ok(all)
+        Ok((seq, all))
     }
 }
 
@@ -283,7 +284,7 @@ impl ProcessGroup for ThreadGroup {
                     Collective::Broadcast { .. } => None,
                 })
                 .collect::<Vec<_>>();
-        let all = self.exchange(signature(&ops), data)?;
+        let (_, all) = self.exchange(signature(&ops), data)?;
         let size = self.size();
         let outputs = ops
             .into_iter()
@@ -352,8 +353,9 @@ impl ProcessGroup for ThreadGroup {
         if ranks.is_empty() {
             return Err(Error::invalid(OP, "a subgroup needs at least one rank"));
         }
-        let seq = self.shared.lock().seq;
-        self.exchange(format!("new_subgroup({ranks:?})"), Vec::new())?;
+        // The key is the round of this exchange, which every rank agrees on (reading the
+        // counter before the exchange could see a round some ranks have already left).
+        let (seq, _) = self.exchange(format!("new_subgroup({ranks:?})"), Vec::new())?;
         let Some(sub_rank) = ranks.iter().position(|&r| r == self.rank) else {
             return Ok(None);
         };

@@ -510,3 +510,38 @@ fn uneven_shards_gather_like_the_whole_tensor() {
         }
     }
 }
+
+#[test]
+fn successive_subgroups_agree_on_every_rank() {
+    // Hybrid sharding builds several subgroups in a row; every rank must land in the same
+    // ones (regression: the key was read before the exchange and could differ).
+    for _ in 0..20 {
+        let results = run_ranks(4, |g| -> Result<Vec<f32>> {
+            let a = g.new_subgroup(&[0, 1])?;
+            let b = g.new_subgroup(&[2, 3])?;
+            let c = g.new_subgroup(&[0, 2])?;
+            let d = g.new_subgroup(&[1, 3])?;
+            let mut out = Vec::new();
+            for s in [a, b, c, d].into_iter().flatten() {
+                let x = Tensor::from_slice(&[g.rank() as f32], [1], Device::Cpu)?;
+                out.extend(
+                    s.all_reduce(x, ReduceOp::Sum)?
+                        .into_result()?
+                        .to_vec::<f32>()?,
+                );
+            }
+            Ok(out)
+        })
+        .unwrap();
+        let r: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+        assert_eq!(
+            r,
+            vec![
+                vec![1.0, 2.0],
+                vec![1.0, 4.0],
+                vec![5.0, 2.0],
+                vec![5.0, 4.0]
+            ]
+        );
+    }
+}
