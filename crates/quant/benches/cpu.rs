@@ -1,5 +1,7 @@
 //! CPU throughput of the reference quantizers (criterion), on a bf16 4096×4096 input;
-//! throughput counts the bytes of input (32 MiB per call):
+//! throughput counts the bytes of input (32 MiB per call). Two building blocks are
+//! measured as well: the E4M3 element cast and the f32 transpose, on the same values as
+//! f32 (64 MiB).
 //!
 //! ```text
 //! cargo bench -p tessera-quant --bench cpu -- --warm-up-time 1 --measurement-time 3
@@ -88,5 +90,26 @@ fn quantizers(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, quantizers);
+fn building_blocks(c: &mut Criterion) {
+    let x = input();
+    let v: Vec<f32> = x
+        .as_slice::<bf16>()
+        .unwrap()
+        .iter()
+        .map(|b| b.to_f32())
+        .collect();
+    let mut group = c.benchmark_group("f32-4096x4096");
+    group.throughput(Throughput::Bytes((v.len() * 4) as u64));
+    group.sample_size(10);
+    group.sampling_mode(SamplingMode::Flat);
+    group.bench_function("cast-e4m3", |b| {
+        b.iter(|| tessera_quant::fp8::cast(&v, 1.0, Fp8Format::E4M3))
+    });
+    group.bench_function("transpose", |b| {
+        b.iter(|| tessera_quant::layout::transpose(&v, M, K))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, quantizers, building_blocks);
 criterion_main!(benches);

@@ -17,7 +17,7 @@ use tessera_core::{DType, Device, Error, Result, Shape, Tensor};
 
 use crate::layout::{roundup, transpose};
 use crate::scale::{amax, compute_scale_from_amax};
-use crate::values::{check_input, dtype_max, to_f32, transposed_shape};
+use crate::values::{CHUNK, Operand, Values, check_input, dtype_max, transposed_shape};
 use crate::{BlockDim, BufferName, BufferSpec, Fp8Format, Kind, QuantizedTensor, Quantizer, Usage};
 
 /// Block length.
@@ -53,52 +53,83 @@ impl BlockScaling {
 /// 1×128 quantization along the rows of a `[rows, cols]` matrix: `(data [rows, cols],
 /// scale_inv [rows, ceil(cols/128)])` (scales row-major, not yet in the GEMM layout).
 pub fn quantize_1d(x: &[f32], rows: usize, cols: usize, p: &BlockScaling) -> (Vec<u8>, Vec<f32>) {
+    let v = Values::from_f32(x);
+    one_d(&Operand::new(&v, rows, cols), p)
+}
+
+/// 128×128 tile quantization of an `[m, k]` matrix: `(data [m, k], scale_inv
+/// [ceil(m/128), ceil(k/128)])`.
+pub fn quantize_2d(x: &[f32], m: usize, k: usize, p: &BlockScaling) -> (Vec<u8>, Vec<f32>) {
+    two_d(&Values::from_f32(x), m, k, p)
+}
+
+/// [`quantize_1d`] of an operand of f32, bf16 or f16 values (possibly the transposed
+/// input): one task per group of rows.
+fn one_d(x: &Operand<'_>, p: &BlockScaling) -> (Vec<u8>, Vec<f32>) {
+    let (rows, cols) = (x.rows(), x.cols());
     let nb = cols.div_ceil(BLOCK);
     let mut data = vec![0u8; rows * cols];
     let mut si = vec![0f32; rows * nb];
-    data.par_chunks_mut(cols.max(1))
-        .zip(si.par_chunks_mut(nb.max(1)))
+    if cols == 0 {
+        return (data, si);
+    }
+    let g = x.group();
+    data.par_chunks_mut(g * cols)
+        .zip(si.par_chunks_mut(g * nb))
         .enumerate()
-        .for_each(|(r, (d, s))| {
-            let xr = &x[r * cols..][..cols];
-            for (j, (blk, q)) in xr.chunks(BLOCK).zip(d.chunks_mut(BLOCK)).enumerate() {
-                let scale = p.scale(amax(blk));
-                s[j] = 1.0 / scale;
-                for (q, &v) in q.iter_mut().zip(blk) {
-                    *q = p.format.encode(v * scale);
+        .with_min_len(CHUNK.div_ceil(g * cols))
+        .for_each_init(Vec::new, |buf, (i, (dgroup, sgroup))| {
+            let xgroup = x.read_rows(i * g, dgroup.len() / cols, buf);
+            let rows_of_group = xgroup
+                .chunks_exact(cols)
+                .zip(dgroup.chunks_exact_mut(cols))
+                .zip(sgroup.chunks_exact_mut(nb));
+            for ((xr, d), s) in rows_of_group {
+                for ((blk, q), s) in xr.chunks(BLOCK).zip(d.chunks_mut(BLOCK)).zip(s) {
+                    let scale = p.scale(amax(blk));
+                    *s = 1.0 / scale;
+                    p.format.encode_scaled(blk, scale, q);
                 }
             }
         });
     (data, si)
 }
 
-/// 128×128 tile quantization of an `[m, k]` matrix: `(data [m, k], scale_inv
-/// [ceil(m/128), ceil(k/128)])`.
-pub fn quantize_2d(x: &[f32], m: usize, k: usize, p: &BlockScaling) -> (Vec<u8>, Vec<f32>) {
+/// [`quantize_2d`] of f32, bf16 or f16 values: one task per 128 rows.
+fn two_d(x: &Values<'_>, m: usize, k: usize, p: &BlockScaling) -> (Vec<u8>, Vec<f32>) {
     let (mb, kb) = (m.div_ceil(BLOCK), k.div_ceil(BLOCK));
     let mut data = vec![0u8; m * k];
     let mut si = vec![0f32; mb * kb];
-    data.par_chunks_mut((BLOCK * k).max(1))
-        .zip(si.par_chunks_mut(kb.max(1)))
+    if k == 0 {
+        return (data, si);
+    }
+    data.par_chunks_mut(BLOCK * k)
+        .zip(si.par_chunks_mut(kb))
         .enumerate()
-        .for_each(|(i, (d, s))| {
-            let r0 = i * BLOCK;
-            let rows = (m - r0).min(BLOCK);
-            for (j, s) in s.iter_mut().enumerate() {
-                let c0 = j * BLOCK;
-                let cols = (k - c0).min(BLOCK);
-                let a = (0..rows).fold(0.0f32, |acc, r| {
-                    acc.max(amax(&x[(r0 + r) * k + c0..][..cols]))
-                });
-                let scale = p.scale(a);
-                *s = 1.0 / scale;
-                for r in 0..rows {
-                    for c in c0..c0 + cols {
-                        d[r * k + c] = p.format.encode(x[(r0 + r) * k + c] * scale);
+        .for_each_init(
+            || (Vec::new(), vec![0.0f32; kb]),
+            |(buf, scales), (i, (d, s))| {
+                // Rows i·128.. (128, or fewer at the bottom edge).
+                let xb = x.read(i * BLOCK * k, d.len(), buf);
+                // The tile amaxes, then their scales.
+                scales.fill(0.0);
+                for xr in xb.chunks_exact(k) {
+                    for (a, blk) in scales.iter_mut().zip(xr.chunks(BLOCK)) {
+                        *a = a.max(amax(blk));
                     }
                 }
-            }
-        });
+                for (a, s) in scales.iter_mut().zip(s) {
+                    *a = p.scale(*a);
+                    *s = 1.0 / *a;
+                }
+                for (xr, dr) in xb.chunks_exact(k).zip(d.chunks_exact_mut(k)) {
+                    let blocks = xr.chunks(BLOCK).zip(dr.chunks_mut(BLOCK));
+                    for ((blk, q), &scale) in blocks.zip(scales.iter()) {
+                        p.format.encode_scaled(blk, scale, q);
+                    }
+                }
+            },
+        );
     (data, si)
 }
 
@@ -244,22 +275,22 @@ impl Quantizer for Fp8BlockQuantizer {
             return Ok(out);
         }
         let (m, k) = check_input(OP, x)?;
-        let v = to_f32(OP, x)?;
+        let v = Values::new(OP, x)?;
         let p = self.params(x.dtype());
         let (rs, cs) = scale_shapes(m, k, self.dim);
         let mut out: BTreeMap<BufferName, Vec<u8>> = BTreeMap::new();
         match self.dim {
             BlockDim::OneD => {
                 if self.usage.rowwise() {
-                    let (d, s) = quantize_1d(&v, m, k, &p);
+                    let (d, s) = one_d(&Operand::new(&v, m, k), &p);
                     // Stored transposed: [ceil(K/128), roundup(M, 4)].
                     let st = transpose(&s, m, k.div_ceil(BLOCK));
                     out.insert(BufferName::Data, d);
                     out.insert(BufferName::ScaleInv, padded_f32(&st, rs[0], m, rs[1]));
                 }
                 if self.usage.columnwise() {
-                    let xt = transpose(&v, m, k);
-                    let (d, s) = quantize_1d(&xt, k, m, &p);
+                    // xᵀ, gathered from x as it is read.
+                    let (d, s) = one_d(&Operand::transpose_of(&v, m, k), &p);
                     // s is [K, ceil(M/128)]; stored as [ceil(M/128), roundup(K, 4)].
                     let st = transpose(&s, k, m.div_ceil(BLOCK));
                     out.insert(BufferName::ColumnwiseData, d);
@@ -270,7 +301,7 @@ impl Quantizer for Fp8BlockQuantizer {
                 }
             }
             BlockDim::TwoD => {
-                let (d, s) = quantize_2d(&v, m, k, &p);
+                let (d, s) = two_d(&v, m, k, &p);
                 let (mb, kb) = (m.div_ceil(BLOCK), k.div_ceil(BLOCK));
                 if self.usage.columnwise() {
                     out.insert(BufferName::ColumnwiseData, transpose(&d, m, k));

@@ -56,6 +56,44 @@ impl Fp8Format {
         }
     }
 
+    /// `out[i] = encode(x[i] · scale)` over two slices of one length: the loop the
+    /// quantizers run, with the format chosen once rather than per element.
+    #[inline]
+    pub(crate) fn encode_scaled(self, x: &[f32], scale: f32, out: &mut [u8]) {
+        fn run(x: &[f32], scale: f32, out: &mut [u8], encode: impl Fn(f32) -> u8) {
+            assert_eq!(
+                x.len(),
+                out.len(),
+                "encode_scaled: slices of different lengths"
+            );
+            for (q, &v) in out.iter_mut().zip(x) {
+                *q = encode(v * scale);
+            }
+        }
+        match self {
+            Fp8Format::E4M3 => run(x, scale, out, encode_e4m3),
+            Fp8Format::E5M2 => run(x, scale, out, encode_e5m2),
+        }
+    }
+
+    /// `out[i] = encode(x[i] · scales[i])` over three slices of one length.
+    #[inline]
+    pub(crate) fn encode_scaled_each(self, x: &[f32], scales: &[f32], out: &mut [u8]) {
+        fn run(x: &[f32], scales: &[f32], out: &mut [u8], encode: impl Fn(f32) -> u8) {
+            assert!(
+                x.len() == out.len() && scales.len() == out.len(),
+                "encode_scaled_each: slices of different lengths"
+            );
+            for ((q, &v), &s) in out.iter_mut().zip(x).zip(scales) {
+                *q = encode(v * s);
+            }
+        }
+        match self {
+            Fp8Format::E4M3 => run(x, scales, out, encode_e4m3),
+            Fp8Format::E5M2 => run(x, scales, out, encode_e5m2),
+        }
+    }
+
     /// Decodes one byte (NaN codes give NaN; E5M2 `0x7C`/`0xFC` give ±inf).
     #[inline]
     pub fn decode(self, b: u8) -> f32 {
@@ -111,43 +149,44 @@ const E2M1: MiniFloat = MiniFloat {
 };
 
 impl MiniFloat {
-    /// The code of a finite, non-negative `a` rounded to nearest-even on this format's
-    /// grid and clamped to `max` (NaN handled by the callers).
-    #[inline]
-    fn encode_magnitude(self, a: f32) -> u32 {
-        if a >= self.max {
-            return self.code_of(self.max);
-        }
-        let emin = 1 - self.bias; // exponent of the smallest normal
-        // Exponent of `a`, floored at emin (subnormals share emin's spacing).
-        let e = if a == 0.0 {
-            emin
-        } else {
-            (a.to_bits() >> 23) as i32 - 127
-        }
-        .max(emin);
-        // Grid spacing at this exponent; a / ulp is exact in f64.
-        let ulp = f64::from(2.0f32).powi(e - self.man_bits as i32);
-        let m = (f64::from(a) / ulp).round_ties_even();
-        let v = (m * ulp).min(f64::from(self.max));
-        self.code_of(v as f32)
+    /// Exponent of the smallest normal value (`1 - bias`).
+    const fn emin(self) -> i32 {
+        1 - self.bias
     }
 
-    /// The code of a value exactly on the grid.
+    /// Mantissa bits a float32 loses in this format (`23 - man_bits`).
+    const fn shift(self) -> u32 {
+        23 - self.man_bits
+    }
+
+    /// The code of a finite, non-negative float32 with bits `a` rounded to nearest-even on
+    /// this format's grid and clamped to `max` (NaN handled by the callers). Both
+    /// candidates below are computed and one is selected, with no data-dependent branch,
+    /// so that loops over slices vectorise:
+    ///
+    /// - In the format's normal range (`a >= 2^emin`), integer rounding of the float32
+    ///   bits: keep the top `man_bits` mantissa bits, rounded to nearest even
+    ///   ([`shr_round_even`]); a carry out of the mantissa bumps the exponent field, which
+    ///   is exactly the next binade's first code; then rebias the exponent. Inputs `>= max`
+    ///   (infinity included) are clamped to `max` first; every value below `max` rounds to
+    ///   at most `max`, so nothing else saturates.
+    /// - Below `2^emin` the code *is* `|x|` in units of the smallest subnormal
+    ///   `u = 2^(emin - man_bits)`, rounded to an integer (rounding up to `2^man_bits`
+    ///   gives the smallest normal's code, as it should). That rounding is one float32
+    ///   addition: with `c = 2^23 · u > 2^emin > |x|`, the sum `|x| + c` lies in `[c, 2c)`,
+    ///   where the float32 ulp is exactly `u`, so IEEE addition (round to nearest, ties to
+    ///   even: the only mode Rust runs in) yields `c + round_even(|x| / u) · u`, whose bits
+    ///   are `c`'s bits plus that integer. It replaces a shift by a data-dependent amount,
+    ///   which SSE2 lacks. The sum is normal, and a float32 subnormal `|x|` gives 0
+    ///   whether or not it is flushed, so even FTZ/DAZ could not change the result.
     #[inline]
-    fn code_of(self, v: f32) -> u32 {
-        if v == 0.0 {
-            return 0;
-        }
-        let emin = 1 - self.bias;
-        let e = ((v.to_bits() >> 23) as i32 - 127).max(emin);
-        let scaled = f64::from(v) / f64::from(2.0f32).powi(e - self.man_bits as i32);
-        let m = scaled as u32; // exact: v is on the grid
-        if m < (1 << self.man_bits) {
-            m // subnormal: exponent field 0
-        } else {
-            (((e + self.bias) as u32) << self.man_bits) | (m - (1 << self.man_bits))
-        }
+    fn encode_magnitude(self, a: u32) -> u32 {
+        let rebias = ((127 - self.bias) as u32) << self.man_bits;
+        let normal = shr_round_even(a.min(self.max.to_bits()), self.shift()).wrapping_sub(rebias);
+        let c = f32::from_bits(((self.emin() - self.man_bits as i32 + 23 + 127) as u32) << 23);
+        let subnormal = (f32::from_bits(a) + c).to_bits().wrapping_sub(c.to_bits());
+        let min_normal = ((self.emin() + 127) as u32) << 23;
+        if a >= min_normal { normal } else { subnormal }
     }
 
     #[inline]
@@ -155,8 +194,9 @@ impl MiniFloat {
         if x.is_nan() {
             return nan_code;
         }
-        let sign = u32::from(x.is_sign_negative()) << self.sign_shift;
-        (sign | self.encode_magnitude(x.abs())) as u8
+        let bits = x.to_bits();
+        let sign = (bits >> 31) << self.sign_shift;
+        (sign | self.encode_magnitude(bits & 0x7FFF_FFFF)) as u8
     }
 
     fn decode(self, code: u8) -> f32 {
@@ -176,6 +216,14 @@ impl MiniFloat {
         };
         sign * v as f32
     }
+}
+
+/// `v / 2^r` rounded to nearest, ties to even, for `1 <= r <= 31` and `v < 2^31`:
+/// adding `2^(r-1) - 1` plus the quotient's lowest bit carries into the quotient exactly
+/// when the remainder is above one half, or equal to it with an odd quotient.
+#[inline]
+const fn shr_round_even(v: u32, r: u32) -> u32 {
+    (v + (1 << (r - 1)) - 1 + ((v >> r) & 1)) >> r
 }
 
 /// A 256-entry decode table (built once, at first use).
@@ -279,7 +327,7 @@ pub fn encode_e2m1_stochastic(x: f32, r: u8) -> u8 {
     let s = step(t);
     let v = ((t / s).floor() * s).min(6.0);
     let sign = u8::from(x.is_sign_negative()) << 3;
-    sign | E2M1.code_of(v) as u8
+    sign | E2M1.encode_magnitude(v.to_bits()) as u8
 }
 
 /// float32 → E8M0 scale byte as TransformerEngine's `float_to_e8m0` computes it for a
@@ -328,6 +376,81 @@ pub fn e8m0_reciprocal(e: u8) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The original encoder (f64 arithmetic on the grid spacing), kept as the reference
+    /// for the bit-manipulation one.
+    fn reference(f: MiniFloat, x: f32, nan_code: u8) -> u8 {
+        fn code_of(f: MiniFloat, v: f32) -> u32 {
+            if v == 0.0 {
+                return 0;
+            }
+            let e = ((v.to_bits() >> 23) as i32 - 127).max(f.emin());
+            let scaled = f64::from(v) / f64::from(2.0f32).powi(e - f.man_bits as i32);
+            let m = scaled as u32; // exact: v is on the grid
+            if m < (1 << f.man_bits) {
+                m // subnormal: exponent field 0
+            } else {
+                (((e + f.bias) as u32) << f.man_bits) | (m - (1 << f.man_bits))
+            }
+        }
+        if x.is_nan() {
+            return nan_code;
+        }
+        let a = x.abs();
+        let code = if a >= f.max {
+            code_of(f, f.max)
+        } else {
+            let e = if a == 0.0 {
+                f.emin()
+            } else {
+                (a.to_bits() >> 23) as i32 - 127
+            }
+            .max(f.emin());
+            // Grid spacing at this exponent; a / ulp is exact in f64.
+            let ulp = f64::from(2.0f32).powi(e - f.man_bits as i32);
+            let m = (f64::from(a) / ulp).round_ties_even();
+            code_of(f, (m * ulp).min(f64::from(f.max)) as f32)
+        };
+        (u32::from(x.is_sign_negative()) << f.sign_shift | code) as u8
+    }
+
+    #[test]
+    fn encoders_match_the_reference_on_every_257th_bit_pattern() {
+        use rayon::prelude::*;
+        let formats = [
+            (E4M3, 0x7F, encode_e4m3 as fn(f32) -> u8),
+            (E5M2, 0x7F, encode_e5m2),
+            (E2M1, 7, encode_e2m1),
+        ];
+        let mismatches: usize = (0..=u32::MAX / 257)
+            .into_par_iter()
+            .map(|i| {
+                let x = f32::from_bits(i * 257);
+                formats
+                    .iter()
+                    .filter(|(f, nan, enc)| enc(x) != reference(*f, x, *nan))
+                    .count()
+            })
+            .sum();
+        assert_eq!(mismatches, 0);
+        // And every value around each format's grid: all codes, midpoints, neighbours.
+        for (f, nan, enc) in formats {
+            for b in 0..=255u8 {
+                let v = f.decode(b & ((2 << f.sign_shift) - 1) as u8);
+                for w in [v, v * 0.75, v * 1.0625, v * 1.125, v * 1.25] {
+                    for d in -2i32..=2 {
+                        let y = f32::from_bits(w.to_bits().wrapping_add_signed(d));
+                        assert_eq!(
+                            enc(y),
+                            reference(f, y, nan),
+                            "{y:e} ({:#010x})",
+                            y.to_bits()
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn fp8_edges() {

@@ -13,18 +13,26 @@ use rayon::prelude::*;
 use tessera_core::{DType, Device, Error, Replay, Result, Shape, Snapshot, Tensor};
 
 use crate::layout::transpose;
-use crate::scale::{amax_par, compute_scale_from_amax, reciprocal};
-use crate::values::{check_input, to_f32, transposed_shape};
+use crate::scale::{compute_scale_from_amax, reciprocal};
+use crate::values::{CHUNK, Values, check_input, transposed_shape};
 use crate::{
     AmaxReduction, BufferName, BufferSpec, Fp8Format, Kind, QuantizedTensor, Quantizer, Usage,
 };
 
 /// `q = sat_rne_fp8(x · scale)` for every element (reference for the CUDA cast).
 pub fn cast(x: &[f32], scale: f32, format: Fp8Format) -> Vec<u8> {
-    x.par_iter()
-        .with_min_len(4096)
-        .map(|&v| format.encode(v * scale))
-        .collect()
+    cast_values(&Values::from_f32(x), scale, format)
+}
+
+/// [`cast`] of f32, bf16 or f16 values.
+fn cast_values(v: &Values<'_>, scale: f32, format: Fp8Format) -> Vec<u8> {
+    let mut q = vec![0u8; v.len()];
+    q.par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each_init(Vec::new, |buf, (i, q)| {
+            format.encode_scaled(v.read(i * CHUNK, q.len(), buf), scale, q);
+        });
+    q
 }
 
 /// Buffer layout of a per-tensor FP8 tensor of logical `shape`.
@@ -48,18 +56,17 @@ pub(crate) fn buffer_specs(format: Fp8Format, shape: &Shape) -> Vec<BufferSpec> 
     ]
 }
 
-/// Quantizes `x` with `scale`, producing the buffers `usage` asks for.
+/// Quantizes `x`, whose values are `v`, with `scale`, producing the buffers `usage` asks
+/// for.
 fn quantize_with_scale(
-    op: &'static str,
     x: &Tensor,
+    v: &Values<'_>,
     scale: f32,
     format: Fp8Format,
     usage: Usage,
-) -> Result<(QuantizedTensor, f32)> {
-    let (m, k) = check_input(op, x)?;
-    let v = to_f32(op, x)?;
-    let amax = amax_par(&v);
-    let q = cast(&v, scale, format);
+) -> Result<QuantizedTensor> {
+    let (m, k) = x.shape().flat_2d();
+    let q = cast_values(v, scale, format);
     let mut buffers = BTreeMap::new();
     if usage.columnwise() {
         let t = transpose(&q, m, k);
@@ -78,13 +85,12 @@ fn quantize_with_scale(
         BufferName::ScaleInv,
         Tensor::from_slice(&[reciprocal(scale)], [1], Device::Cpu)?,
     );
-    let qt = QuantizedTensor {
+    Ok(QuantizedTensor {
         kind: Kind::Fp8 { format },
         shape: x.shape().clone(),
         source_dtype: x.dtype(),
         buffers,
-    };
-    Ok((qt, amax))
+    })
 }
 
 /// FP8 current scaling (TE's `Float8CurrentScalingQuantizer`): each call computes the
@@ -140,7 +146,11 @@ impl Fp8CurrentScaling {
     pub fn scale_for(&self, x: &Tensor) -> Result<f32> {
         const OP: &str = "Fp8CurrentScaling::quantize";
         check_input(OP, x)?;
-        let mut amax = amax_par(&to_f32(OP, x)?);
+        self.scale_from_amax(Values::new(OP, x)?.amax())
+    }
+
+    /// The scale for a tensor with amax `amax` (after the amax reduction).
+    fn scale_from_amax(&self, mut amax: f32) -> Result<f32> {
         if let Some(r) = &self.reduction {
             amax = r.all_reduce_max(amax)?;
         }
@@ -245,15 +255,12 @@ impl Quantizer for Fp8CurrentScaling {
             self.quantize_into(x, &mut out)?;
             return Ok(out);
         }
-        let scale = self.scale_for(x)?;
-        Ok(quantize_with_scale(
-            "Fp8CurrentScaling::quantize",
-            x,
-            scale,
-            self.format,
-            self.usage,
-        )?
-        .0)
+        const OP: &str = "Fp8CurrentScaling::quantize";
+        check_input(OP, x)?;
+        // One read of the input for the amax, one for the cast.
+        let v = Values::new(OP, x)?;
+        let scale = self.scale_from_amax(v.amax())?;
+        quantize_with_scale(x, &v, scale, self.format, self.usage)
     }
 }
 
@@ -484,15 +491,12 @@ impl Quantizer for Fp8DelayedScaling {
             self.quantize_into(x, &mut out)?;
             return Ok(out);
         }
-        let (qt, amax) = quantize_with_scale(
-            "Fp8DelayedScaling::quantize",
-            x,
-            self.state.scale,
-            self.format,
-            self.usage,
-        )?;
+        const OP: &str = "Fp8DelayedScaling::quantize";
+        check_input(OP, x)?;
+        let v = Values::new(OP, x)?;
+        let qt = quantize_with_scale(x, &v, self.state.scale, self.format, self.usage)?;
         if self.record {
-            self.state.record_amax(amax);
+            self.state.record_amax(v.amax());
         }
         Ok(qt)
     }

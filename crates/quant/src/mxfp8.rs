@@ -15,8 +15,8 @@ use tessera_core::{DType, Device, Error, Result, Shape, Tensor};
 
 use crate::cast::{decode_e8m0, e8m0_reciprocal, float_to_e8m0};
 use crate::layout::{pad, roundup, swizzle, transpose, unswizzle};
-use crate::scale::amax;
-use crate::values::{check_input, to_f32};
+use crate::scale::{amax, max_abs};
+use crate::values::{CHUNK, Values, check_input};
 use crate::{BufferName, BufferSpec, Fp8Format, Kind, QuantizedTensor, Quantizer, Usage};
 
 /// Elements per MXFP8 block.
@@ -31,76 +31,113 @@ pub fn block_exponent(a: f32, format: Fp8Format) -> u8 {
 /// Rowwise 1×32 quantization of a row-major `[m, k]` matrix: `(data [m, k], compact scales
 /// [m, k/32])`.
 pub fn quantize_rowwise(x: &[f32], m: usize, k: usize, format: Fp8Format) -> (Vec<u8>, Vec<u8>) {
-    let nb = k / BLOCK;
-    let mut data = vec![0u8; m * k];
-    let mut scales = vec![0u8; m * nb];
-    data.par_chunks_mut(k.max(1))
-        .zip(scales.par_chunks_mut(nb.max(1)))
-        .enumerate()
-        .for_each(|(r, (drow, srow))| {
-            let xrow = &x[r * k..][..k];
-            for (j, (blk, q)) in xrow.chunks(BLOCK).zip(drow.chunks_mut(BLOCK)).enumerate() {
-                let e = block_exponent(amax(blk), format);
-                srow[j] = e;
-                let s = e8m0_reciprocal(e);
-                for (q, &v) in q.iter_mut().zip(blk) {
-                    *q = format.encode(v * s);
-                }
-            }
-        });
-    (data, scales)
+    rowwise(&Values::from_f32(x), m, k, format)
 }
 
 /// Columnwise 32×1 quantization: `(data [m, k] (not transposed), compact scales
 /// [m/32, k])`.
 pub fn quantize_columnwise(x: &[f32], m: usize, k: usize, format: Fp8Format) -> (Vec<u8>, Vec<u8>) {
-    let mb = m / BLOCK;
-    let mut data = vec![0u8; m * k];
-    let mut scales = vec![0u8; mb * k];
-    data.par_chunks_mut((BLOCK * k).max(1))
-        .zip(scales.par_chunks_mut(k.max(1)))
-        .enumerate()
-        .for_each(|(i, (dblk, srow))| {
-            let xblk = &x[i * BLOCK * k..][..BLOCK * k];
-            for c in 0..k {
-                let a = (0..BLOCK).fold(0.0f32, |acc, r| acc.max(xblk[r * k + c].abs()));
-                let e = block_exponent(a, format);
-                srow[c] = e;
-                let s = e8m0_reciprocal(e);
-                for r in 0..BLOCK {
-                    dblk[r * k + c] = format.encode(xblk[r * k + c] * s);
-                }
-            }
-        });
-    (data, scales)
+    columnwise(&Values::from_f32(x), m, k, format)
 }
 
 /// 2-D quantization with one scale per 32×32 tile: `(data [m, k], tile scales
 /// [m/32, k/32])`. Rowwise and columnwise data are these same bytes.
 pub fn quantize_2d(x: &[f32], m: usize, k: usize, format: Fp8Format) -> (Vec<u8>, Vec<u8>) {
-    let (mb, kb) = (m / BLOCK, k / BLOCK);
+    two_d(&Values::from_f32(x), m, k, format)
+}
+
+/// [`quantize_rowwise`] of f32, bf16 or f16 values: one task per group of rows.
+fn rowwise(x: &Values<'_>, m: usize, k: usize, format: Fp8Format) -> (Vec<u8>, Vec<u8>) {
+    let nb = k / BLOCK;
     let mut data = vec![0u8; m * k];
-    let mut tiles = vec![0u8; mb * kb];
-    data.par_chunks_mut((BLOCK * k).max(1))
-        .zip(tiles.par_chunks_mut(kb.max(1)))
+    let mut scales = vec![0u8; m * nb];
+    if k == 0 {
+        return (data, scales);
+    }
+    data.par_chunks_mut(k)
+        .zip(scales.par_chunks_mut(nb.max(1)))
         .enumerate()
-        .for_each(|(i, (dblk, trow))| {
-            let xblk = &x[i * BLOCK * k..][..BLOCK * k];
-            for j in 0..kb {
-                let mut a = 0.0f32;
-                for r in 0..BLOCK {
-                    a = a.max(amax(&xblk[r * k + j * BLOCK..][..BLOCK]));
-                }
-                let e = block_exponent(a, format);
-                trow[j] = e;
-                let s = e8m0_reciprocal(e);
-                for r in 0..BLOCK {
-                    for c in j * BLOCK..(j + 1) * BLOCK {
-                        dblk[r * k + c] = format.encode(xblk[r * k + c] * s);
-                    }
-                }
+        .with_min_len(CHUNK.div_ceil(k))
+        .for_each_init(Vec::new, |buf, (r, (drow, srow))| {
+            let xrow = x.read(r * k, k, buf);
+            let blocks = xrow.chunks_exact(BLOCK).zip(drow.chunks_exact_mut(BLOCK));
+            for ((blk, q), s) in blocks.zip(srow) {
+                let e = block_exponent(amax(blk), format);
+                *s = e;
+                format.encode_scaled(blk, e8m0_reciprocal(e), q);
             }
         });
+    (data, scales)
+}
+
+/// [`quantize_columnwise`] of f32, bf16 or f16 values: one task per 32 rows, each read
+/// once for the column amaxes and once to encode, row by row.
+fn columnwise(x: &Values<'_>, m: usize, k: usize, format: Fp8Format) -> (Vec<u8>, Vec<u8>) {
+    let mut data = vec![0u8; m * k];
+    let mut scales = vec![0u8; m / BLOCK * k];
+    if k == 0 {
+        return (data, scales);
+    }
+    data.par_chunks_mut(BLOCK * k)
+        .zip(scales.par_chunks_mut(k))
+        .enumerate()
+        .for_each_init(
+            || (Vec::new(), vec![0.0f32; k]),
+            |(buf, mult), (i, (dblk, srow))| {
+                let xblk = x.read(i * BLOCK * k, BLOCK * k, buf);
+                // The 32×1 block amaxes of the k columns, then their scales.
+                mult.fill(0.0);
+                for xrow in xblk.chunks_exact(k) {
+                    for (a, &v) in mult.iter_mut().zip(xrow) {
+                        *a = max_abs(*a, v);
+                    }
+                }
+                for (a, s) in mult.iter_mut().zip(srow) {
+                    *s = block_exponent(*a, format);
+                    *a = e8m0_reciprocal(*s);
+                }
+                for (xrow, drow) in xblk.chunks_exact(k).zip(dblk.chunks_exact_mut(k)) {
+                    format.encode_scaled_each(xrow, mult, drow);
+                }
+            },
+        );
+    (data, scales)
+}
+
+/// [`quantize_2d`] of f32, bf16 or f16 values: one task per 32 rows.
+fn two_d(x: &Values<'_>, m: usize, k: usize, format: Fp8Format) -> (Vec<u8>, Vec<u8>) {
+    let kb = k / BLOCK;
+    let mut data = vec![0u8; m * k];
+    let mut tiles = vec![0u8; m / BLOCK * kb];
+    if k == 0 {
+        return (data, tiles);
+    }
+    data.par_chunks_mut(BLOCK * k)
+        .zip(tiles.par_chunks_mut(kb.max(1)))
+        .enumerate()
+        .for_each_init(
+            || (Vec::new(), vec![0.0f32; kb]),
+            |(buf, mult), (i, (dblk, trow))| {
+                let xblk = x.read(i * BLOCK * k, BLOCK * k, buf);
+                // The tile amaxes, then their scales.
+                mult.fill(0.0);
+                for xrow in xblk.chunks_exact(k) {
+                    for (a, blk) in mult.iter_mut().zip(xrow.chunks_exact(BLOCK)) {
+                        *a = a.max(amax(blk));
+                    }
+                }
+                for (a, t) in mult.iter_mut().zip(trow) {
+                    *t = block_exponent(*a, format);
+                    *a = e8m0_reciprocal(*t);
+                }
+                for (xrow, drow) in xblk.chunks_exact(k).zip(dblk.chunks_exact_mut(k)) {
+                    let blocks = xrow.chunks_exact(BLOCK).zip(drow.chunks_exact_mut(BLOCK));
+                    for ((blk, q), &s) in blocks.zip(mult.iter()) {
+                        format.encode_scaled(blk, s, q);
+                    }
+                }
+            },
+        );
     (data, tiles)
 }
 
@@ -289,14 +326,15 @@ impl Quantizer for Mxfp8Quantizer {
         }
         let (m, k) = check_input(OP, x)?;
         self.check_shape(x.shape())?;
-        let v = to_f32(OP, x)?;
+        let v = Values::new(OP, x)?;
         let specs = buffer_specs(self.format, x.shape());
         let mut out: BTreeMap<BufferName, Vec<u8>> = BTreeMap::new();
         if self.two_d {
-            let (data, tiles) = quantize_2d(&v, m, k, self.format);
+            let (data, tiles) = two_d(&v, m, k, self.format);
             if self.usage.rowwise() {
                 let compact: Vec<u8> = (0..m)
-                    .flat_map(|r| tiles[r / BLOCK * (k / BLOCK)..][..k / BLOCK].to_vec())
+                    .flat_map(|r| &tiles[r / BLOCK * (k / BLOCK)..][..k / BLOCK])
+                    .copied()
                     .collect();
                 out.insert(
                     BufferName::ScaleInv,
@@ -317,7 +355,7 @@ impl Quantizer for Mxfp8Quantizer {
             }
         } else {
             if self.usage.rowwise() {
-                let (data, s) = quantize_rowwise(&v, m, k, self.format);
+                let (data, s) = rowwise(&v, m, k, self.format);
                 out.insert(BufferName::Data, data);
                 out.insert(
                     BufferName::ScaleInv,
@@ -325,7 +363,7 @@ impl Quantizer for Mxfp8Quantizer {
                 );
             }
             if self.usage.columnwise() {
-                let (data, s) = quantize_columnwise(&v, m, k, self.format);
+                let (data, s) = columnwise(&v, m, k, self.format);
                 out.insert(BufferName::ColumnwiseData, data);
                 out.insert(
                     BufferName::ColumnwiseScaleInv,

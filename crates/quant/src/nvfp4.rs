@@ -35,8 +35,8 @@ use tessera_rng::Generator;
 
 use crate::cast::{decode_e2m1, decode_e4m3, encode_e2m1, encode_e2m1_stochastic, encode_e4m3};
 use crate::layout::{pad, roundup, swizzle, transpose, unswizzle};
-use crate::scale::{amax, amax_par};
-use crate::values::{check_input, to_f32};
+use crate::scale::amax;
+use crate::values::{CHUNK, Operand, Values, check_input};
 use crate::{AmaxReduction, BufferName, BufferSpec, Kind, QuantizedTensor, Quantizer, Usage};
 
 /// Elements per NVFP4 block.
@@ -102,14 +102,21 @@ pub fn inverse_rht16(y: &[f32]) -> [f32; 16] {
     })
 }
 
-/// Applies `f` to every run of 16 along the rows of a row-major `[rows, cols]` matrix.
-fn map_runs(v: &[f32], cols: usize, f: fn(&[f32]) -> [f32; 16]) -> Vec<f32> {
-    let mut out = vec![0.0f32; v.len()];
-    out.par_chunks_mut(cols.max(1))
-        .zip(v.par_chunks(cols.max(1)))
-        .for_each(|(o, x)| {
-            for (o, x) in o.chunks_mut(BLOCK).zip(x.chunks(BLOCK)) {
-                o.copy_from_slice(&f(x));
+/// Applies `f` to every run of 16 along the rows of an operand: a row-major f32 result.
+fn map_runs(x: &Operand<'_>, f: fn(&[f32]) -> [f32; 16]) -> Vec<f32> {
+    let (rows, cols) = (x.rows(), x.cols());
+    let mut out = vec![0.0f32; rows * cols];
+    if cols == 0 {
+        return out;
+    }
+    let g = x.group();
+    out.par_chunks_mut(g * cols)
+        .enumerate()
+        .with_min_len(CHUNK.div_ceil(g * cols))
+        .for_each_init(Vec::new, |buf, (i, o)| {
+            let v = x.read_rows(i * g, o.len() / cols, buf);
+            for (o, v) in o.chunks_mut(BLOCK).zip(v.chunks(BLOCK)) {
+                o.copy_from_slice(&f(v));
             }
         });
     out
@@ -121,9 +128,10 @@ pub fn block_amax_1d(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; rows * nb];
     out.par_chunks_mut(nb.max(1))
         .enumerate()
+        .with_min_len(CHUNK.div_ceil(cols.max(1)))
         .for_each(|(r, o)| {
-            for (j, a) in o.iter_mut().enumerate() {
-                *a = amax(&v[r * cols + j * BLOCK..][..BLOCK]);
+            for (a, blk) in o.iter_mut().zip(v[r * cols..][..cols].chunks_exact(BLOCK)) {
+                *a = amax(blk);
             }
         });
     out
@@ -131,14 +139,20 @@ pub fn block_amax_1d(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 
 /// The 16×16 tile amaxes `[m/16, k/16]` of an `[m, k]` matrix.
 pub fn tile_amax(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    tile_amaxes(&Values::from_f32(x), m, k)
+}
+
+/// [`tile_amax`] of f32, bf16 or f16 values.
+fn tile_amaxes(x: &Values<'_>, m: usize, k: usize) -> Vec<f32> {
     let (mb, kb) = (m / BLOCK, k / BLOCK);
     let mut out = vec![0.0f32; mb * kb];
     out.par_chunks_mut(kb.max(1))
         .enumerate()
-        .for_each(|(i, o)| {
-            for (j, a) in o.iter_mut().enumerate() {
-                for r in 0..BLOCK {
-                    *a = a.max(amax(&x[(i * BLOCK + r) * k + j * BLOCK..][..BLOCK]));
+        .for_each_init(Vec::new, |buf, (i, o)| {
+            let xblk = x.read(i * BLOCK * k, BLOCK * k, buf);
+            for xrow in xblk.chunks_exact(k) {
+                for (a, blk) in o.iter_mut().zip(xrow.chunks_exact(BLOCK)) {
+                    *a = a.max(amax(blk));
                 }
             }
         });
@@ -157,34 +171,78 @@ pub fn quantize_operand(
     a: f32,
     random: Option<&[u32]>,
 ) -> (Vec<u8>, Vec<u8>) {
+    let v = Values::from_f32(v);
+    operand(&Operand::new(&v, rows, cols), Some(block_amax), a, random)
+}
+
+/// [`quantize_operand`] of f32, bf16 or f16 values; `block_amax: None` stands for the
+/// amaxes of the operand's own 1×16 blocks, computed on the way.
+fn operand(
+    x: &Operand<'_>,
+    block_amax: Option<&[f32]>,
+    a: f32,
+    random: Option<&[u32]>,
+) -> (Vec<u8>, Vec<u8>) {
+    let (rows, cols) = (x.rows(), x.cols());
     let nb = cols / BLOCK;
     let s_enc = global_encode_scale(a);
     let s_dec = 1.0 / s_enc;
+    // The block encode scale of each of the 256 scale bytes (one division each).
+    let encode_scale: [f32; 256] = std::array::from_fn(|e| block_encode_scale(e as u8, s_dec));
     let mut codes = vec![0u8; rows * cols / 2];
     let mut scales = vec![0u8; rows * nb];
-    codes
-        .par_chunks_mut((cols / 2).max(1))
-        .zip(scales.par_chunks_mut(nb.max(1)))
-        .enumerate()
-        .for_each(|(r, (crow, srow))| {
-            for j in 0..nb {
-                let e = block_scale(block_amax[r * nb + j], s_enc);
-                srow[j] = e;
-                let g = block_encode_scale(e, s_dec);
-                for p in 0..BLOCK / 2 {
-                    let c = j * BLOCK + 2 * p;
-                    let code = |c: usize| {
-                        let y = v[r * cols + c] * g;
-                        match random {
-                            Some(w) => {
-                                let e = r * cols + c;
-                                encode_e2m1_stochastic(y, (w[e / 4] >> (8 * (e % 4))) as u8)
-                            }
-                            None => encode_e2m1(y),
-                        }
-                    };
-                    crow[c / 2] = code(c) | code(c + 1) << 4;
+    if nb == 0 {
+        return (codes, scales); // no whole block to encode
+    }
+    // Row r: its codes [cols/2] and E4M3 scales [cols/16] from its values.
+    let operand_row = |r: usize, xrow: &[f32], crow: &mut [u8], srow: &mut [u8]| {
+        let blocks = xrow
+            .chunks_exact(BLOCK)
+            .zip(crow.chunks_exact_mut(BLOCK / 2));
+        for (j, ((blk, cblk), s)) in blocks.zip(srow).enumerate() {
+            let b = match block_amax {
+                Some(ba) => ba[r * nb + j],
+                None => amax(blk),
+            };
+            let e = block_scale(b, s_enc);
+            *s = e;
+            let g = encode_scale[usize::from(e)];
+            let mut q = [0u8; BLOCK];
+            match random {
+                None => {
+                    for (q, &x) in q.iter_mut().zip(blk) {
+                        *q = encode_e2m1(x * g);
+                    }
                 }
+                Some(w) => {
+                    // Element e of the operand rounds with byte e % 4 of word e / 4.
+                    let e0 = r * cols + j * BLOCK;
+                    for (i, (q, &x)) in q.iter_mut().zip(blk).enumerate() {
+                        let e = e0 + i;
+                        *q = encode_e2m1_stochastic(x * g, (w[e / 4] >> (8 * (e % 4))) as u8);
+                    }
+                }
+            }
+            for (c, pair) in cblk.iter_mut().zip(q.chunks_exact(2)) {
+                *c = pair[0] | pair[1] << 4;
+            }
+        }
+    };
+    // One task per group of rows (x.group() of them per read).
+    let g = x.group();
+    codes
+        .par_chunks_mut(g * (cols / 2))
+        .zip(scales.par_chunks_mut(g * nb))
+        .enumerate()
+        .with_min_len(CHUNK.div_ceil(g * cols))
+        .for_each_init(Vec::new, |buf, (i, (cgroup, sgroup))| {
+            let xgroup = x.read_rows(i * g, sgroup.len() / nb, buf);
+            let rows_of_group = xgroup
+                .chunks_exact(cols)
+                .zip(cgroup.chunks_exact_mut(cols / 2))
+                .zip(sgroup.chunks_exact_mut(nb));
+            for (r, ((xrow, crow), srow)) in (i * g..).zip(rows_of_group) {
+                operand_row(r, xrow, crow, srow);
             }
         });
     (codes, scales)
@@ -446,20 +504,22 @@ impl Quantizer for Nvfp4Quantizer {
         }
         let (m, k) = check_input(OP, x)?;
         self.check_shape(x.shape())?;
-        let v = to_f32(OP, x)?;
+        let v = Values::new(OP, x)?;
         let (rs, cs) = scale_shapes(m, k);
-        let a_row = self.reduce(amax_par(&v))?;
+        let a_row = self.reduce(v.amax())?;
         let mut out: BTreeMap<BufferName, Vec<u8>> = BTreeMap::new();
-        let tiles = self.two_d.then(|| tile_amax(&v, m, k));
+        let tiles = self.two_d.then(|| tile_amaxes(&v, m, k));
         if self.usage.rowwise() {
-            let block_amax = match &tiles {
-                Some(t) => (0..m)
-                    .flat_map(|r| t[r / BLOCK * (k / BLOCK)..][..k / BLOCK].to_vec())
-                    .collect(),
-                None => block_amax_1d(&v, m, k),
-            };
+            // 1-D: the blocks' own amaxes (None); 2-D: each row's tile amaxes.
+            let block_amax: Option<Vec<f32>> = tiles.as_ref().map(|t| {
+                (0..m)
+                    .flat_map(|r| &t[r / BLOCK * (k / BLOCK)..][..k / BLOCK])
+                    .copied()
+                    .collect()
+            });
             let random = self.draw(m * k);
-            let (codes, s) = quantize_operand(&v, m, k, &block_amax, a_row, random.as_deref());
+            let x = Operand::new(&v, m, k);
+            let (codes, s) = operand(&x, block_amax.as_deref(), a_row, random.as_deref());
             out.insert(BufferName::Data, codes);
             out.insert(
                 BufferName::ScaleInv,
@@ -468,29 +528,36 @@ impl Quantizer for Nvfp4Quantizer {
             out.insert(BufferName::Amax, a_row.to_le_bytes().to_vec());
         }
         if self.usage.columnwise() {
-            let mut xt = transpose(&v, m, k);
-            let a_col = if self.rht {
-                xt = map_runs(&xt, m, rht16);
-                self.reduce(amax_par(&xt))?
-            } else {
-                a_row
+            // With the RHT, the transformed xᵀ (in f32); without, xᵀ is gathered from x
+            // as the operand is read.
+            let transformed = self
+                .rht
+                .then(|| Values::F32(map_runs(&Operand::transpose_of(&v, m, k), rht16).into()));
+            let (xt, a_col) = match &transformed {
+                Some(t) => (Operand::new(t, k, m), self.reduce(t.amax())?),
+                None => (Operand::transpose_of(&v, m, k), a_row),
             };
-            let block_amax = match (&tiles, self.rht) {
-                (Some(t), false) => (0..k)
-                    .flat_map(|c| (0..m / BLOCK).map(move |i| (c, i)))
-                    .map(|(c, i)| t[i * (k / BLOCK) + c / BLOCK])
-                    .collect(),
-                (Some(_), true) => {
-                    // Tiles of the transformed operand.
-                    let tt = tile_amax(&xt, k, m);
+            let block_amax: Option<Vec<f32>> = match (&tiles, &transformed) {
+                (Some(t), None) => Some(
                     (0..k)
-                        .flat_map(|c| tt[c / BLOCK * (m / BLOCK)..][..m / BLOCK].to_vec())
-                        .collect()
+                        .flat_map(|c| (0..m / BLOCK).map(move |i| (c, i)))
+                        .map(|(c, i)| t[i * (k / BLOCK) + c / BLOCK])
+                        .collect(),
+                ),
+                (Some(_), Some(t)) => {
+                    // Tiles of the transformed operand.
+                    let tt = tile_amaxes(t, k, m);
+                    Some(
+                        (0..k)
+                            .flat_map(|c| &tt[c / BLOCK * (m / BLOCK)..][..m / BLOCK])
+                            .copied()
+                            .collect(),
+                    )
                 }
-                (None, _) => block_amax_1d(&xt, k, m),
+                (None, _) => None,
             };
             let random = self.draw(m * k);
-            let (codes, s) = quantize_operand(&xt, k, m, &block_amax, a_col, random.as_deref());
+            let (codes, s) = operand(&xt, block_amax.as_deref(), a_col, random.as_deref());
             out.insert(BufferName::ColumnwiseData, codes);
             out.insert(
                 BufferName::ColumnwiseScaleInv,
@@ -548,7 +615,7 @@ pub(crate) fn dequantize(
         .collect();
     Ok(if columnwise {
         let v = if rht {
-            map_runs(&v, m, inverse_rht16)
+            map_runs(&Operand::new(&Values::from_f32(&v), k, m), inverse_rht16)
         } else {
             v
         };

@@ -1,10 +1,13 @@
 //! FP8 block scaling on the device.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::PushKernelArg;
 use tessera_core::cuda::grid_1d;
-use tessera_core::{DType, Error, Result, Tensor};
+use tessera_core::{DType, Result, Tensor};
 
-use super::{BLOCK, BLOCK_PTX, device_of, dtype_suffix, format_suffix, launch};
+use super::{
+    BLOCK, BLOCK_PTX, Outputs, arg_or_null, device_of, dtype_suffix, format_suffix, launch,
+    tile_grid,
+};
 use crate::block::BlockScaling;
 use crate::values::check_input;
 use crate::{BlockDim, BufferName, QuantizedTensor};
@@ -20,7 +23,6 @@ pub(crate) fn quantize_into(
     const OP: &str = "cuda fp8 block quantize";
     let (m, k) = check_input(OP, x)?;
     let dev = device_of(x)?;
-    let usage = out.usage();
     let f = dev.function(
         &BLOCK_PTX,
         &format!(
@@ -29,39 +31,9 @@ pub(crate) fn quantize_into(
             format_suffix(p.format)
         ),
     )?;
-    let take = |out: &mut QuantizedTensor, name, wanted: bool| -> Result<Option<Tensor>> {
-        if wanted {
-            out.take_buffer(name).map(Some)
-        } else {
-            Ok(None)
-        }
-    };
-    let mut q_row = take(out, BufferName::Data, usage.rowwise())?;
-    let mut s_row = take(out, BufferName::ScaleInv, usage.rowwise())?;
-    let mut q_col = take(out, BufferName::ColumnwiseData, usage.columnwise())?;
-    let mut s_col = take(out, BufferName::ColumnwiseScaleInv, usage.columnwise())?;
-    let cols = |t: &Option<Tensor>| t.as_ref().map_or(0u64, |t| t.shape().dims()[1] as u64);
-    let (s_row_cols, s_col_cols) = (cols(&s_row), cols(&s_col));
-    for s in [&mut s_row, &mut s_col].into_iter().flatten() {
-        dev.stream()
-            .memset_zeros(s.cuda_slice_mut()?)
-            .map_err(|e| Error::Cuda {
-                op: OP,
-                msg: e.to_string(),
-            })?;
-    }
-    let gy = k.div_ceil(128);
-    if gy > 65_535 {
-        return Err(Error::shape(
-            OP,
-            format!("K = {k} exceeds the kernel's 128x65535-column grid"),
-        ));
-    }
-    let cfg = LaunchConfig {
-        grid_dim: (m.div_ceil(128).max(1) as u32, gy.max(1) as u32, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let mut o = Outputs::take(&dev, out, OP)?;
+    let (s_row_cols, s_col_cols) = (Outputs::dims(&o.s_row)[1], Outputs::dims(&o.s_col)[1]);
+    let cfg = tile_grid(OP, m, k, 128, 128)?;
     let (mu, ku) = (m as u64, k as u64);
     let (fp8_max, pow2, eps, vfi, two_d) = (
         p.format.max(),
@@ -72,11 +44,7 @@ pub(crate) fn quantize_into(
     );
     let null = 0u64;
     {
-        let mut it = [&mut q_row, &mut s_row, &mut q_col, &mut s_col]
-            .into_iter()
-            .map(|t| t.as_mut().map(|t| t.cuda_slice_mut()));
-        let mut next = || it.next().flatten().transpose();
-        let (qr, sr, qc, sc) = (next()?, next()?, next()?, next()?);
+        let [qr, sr, qc, sc] = o.slices()?;
         // SAFETY: (const T* x, u64 m, u64 k, float fp8_max, int pow2, float eps, float
         // value_for_inf, int two_d, u8* q_row, float* s_row, u64 s_row_cols, u8* q_col,
         // float* s_col, u64 s_col_cols): x is [m, k], q_row [m, k] bytes, q_col [k, m]
@@ -91,37 +59,16 @@ pub(crate) fn quantize_into(
                     .arg(&eps)
                     .arg(&vfi)
                     .arg(&two_d);
-                match qr {
-                    Some(p) => b.arg(p),
-                    None => b.arg(&null),
-                };
-                match sr {
-                    Some(p) => b.arg(p),
-                    None => b.arg(&null),
-                };
+                arg_or_null(b, qr, &null);
+                arg_or_null(b, sr, &null);
                 b.arg(&s_row_cols);
-                match qc {
-                    Some(p) => b.arg(p),
-                    None => b.arg(&null),
-                };
-                match sc {
-                    Some(p) => b.arg(p),
-                    None => b.arg(&null),
-                };
+                arg_or_null(b, qc, &null);
+                arg_or_null(b, sc, &null);
                 b.arg(&s_col_cols);
             })
         }?;
     }
-    for (name, t) in [
-        (BufferName::Data, q_row),
-        (BufferName::ScaleInv, s_row),
-        (BufferName::ColumnwiseData, q_col),
-        (BufferName::ColumnwiseScaleInv, s_col),
-    ] {
-        if let Some(t) = t {
-            out.put_buffer(name, t);
-        }
-    }
+    o.put_back(out);
     out.source_dtype = x.dtype();
     Ok(())
 }

@@ -96,6 +96,125 @@ pub(crate) unsafe fn launch<'a>(
     Ok(())
 }
 
+/// The buffers a both-orientations kernel writes, taken out of the output tensor (its
+/// usage decides which exist) so the kernel owns them uniquely; scale buffers are
+/// cleared first, because kernels write only the valid entries and padding must read 0.
+pub(crate) struct Outputs {
+    pub(crate) q_row: Option<Tensor>,
+    pub(crate) s_row: Option<Tensor>,
+    pub(crate) q_col: Option<Tensor>,
+    pub(crate) s_col: Option<Tensor>,
+}
+
+impl Outputs {
+    pub(crate) fn take(
+        dev: &CudaDevice,
+        out: &mut crate::QuantizedTensor,
+        op: &'static str,
+    ) -> Result<Self> {
+        use crate::BufferName as B;
+        let usage = out.usage();
+        let mut take = |name, wanted: bool| -> Result<Option<Tensor>> {
+            if wanted {
+                out.take_buffer(name).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let mut o = Outputs {
+            q_row: take(B::Data, usage.rowwise())?,
+            s_row: take(B::ScaleInv, usage.rowwise())?,
+            q_col: take(B::ColumnwiseData, usage.columnwise())?,
+            s_col: take(B::ColumnwiseScaleInv, usage.columnwise())?,
+        };
+        for s in [&mut o.s_row, &mut o.s_col].into_iter().flatten() {
+            dev.stream()
+                .memset_zeros(s.cuda_slice_mut()?)
+                .map_err(|e| Error::Cuda {
+                    op,
+                    msg: e.to_string(),
+                })?;
+        }
+        Ok(o)
+    }
+
+    /// `[rows, cols]` of a 2-D scale buffer, or zeros when absent.
+    pub(crate) fn dims(t: &Option<Tensor>) -> [u64; 2] {
+        t.as_ref().map_or([0, 0], |t| {
+            [t.shape().dims()[0] as u64, t.shape().dims()[1] as u64]
+        })
+    }
+
+    /// The four buffers' device slices (rows data, rows scales, columns data, columns
+    /// scales), `None` where absent.
+    pub(crate) fn slices(&mut self) -> Result<[Option<&mut cudarc::driver::CudaSlice<u8>>; 4]> {
+        fn f(t: &mut Option<Tensor>) -> Result<Option<&mut cudarc::driver::CudaSlice<u8>>> {
+            t.as_mut().map(Tensor::cuda_slice_mut).transpose()
+        }
+        Ok([
+            f(&mut self.q_row)?,
+            f(&mut self.s_row)?,
+            f(&mut self.q_col)?,
+            f(&mut self.s_col)?,
+        ])
+    }
+
+    /// Puts the buffers back into `out`.
+    pub(crate) fn put_back(self, out: &mut crate::QuantizedTensor) {
+        use crate::BufferName as B;
+        for (name, t) in [
+            (B::Data, self.q_row),
+            (B::ScaleInv, self.s_row),
+            (B::ColumnwiseData, self.q_col),
+            (B::ColumnwiseScaleInv, self.s_col),
+        ] {
+            if let Some(t) = t {
+                out.put_buffer(name, t);
+            }
+        }
+    }
+}
+
+/// Pushes a device buffer, or a null pointer when there is none.
+pub(crate) fn arg_or_null<'a>(
+    b: &mut LaunchArgs<'a>,
+    s: Option<&'a mut cudarc::driver::CudaSlice<u8>>,
+    null: &'a u64,
+) {
+    use cudarc::driver::PushKernelArg;
+    match s {
+        Some(s) => b.arg(s),
+        None => b.arg(null),
+    };
+}
+
+/// A 2-D grid of `tm x tk` tiles over an `[m, k]` matrix: x over M (up to 2^31 - 1
+/// tiles), y over K (up to 65535 tiles).
+pub(crate) fn tile_grid(
+    op: &'static str,
+    m: usize,
+    k: usize,
+    tm: usize,
+    tk: usize,
+) -> Result<LaunchConfig> {
+    let gy = k.div_ceil(tk).max(1);
+    if gy > 65_535 {
+        return Err(Error::shape(
+            op,
+            format!("K = {k} exceeds the kernel's {tk}x65535-column grid"),
+        ));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (
+            m.div_ceil(tm).clamp(1, i32::MAX as usize) as u32,
+            gy as u32,
+            1,
+        ),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
 /// The device handle of a CUDA tensor.
 pub(crate) fn device_of(t: &Tensor) -> Result<std::sync::Arc<CudaDevice>> {
     Ok(t.cuda_device()?.clone())

@@ -1,10 +1,13 @@
 //! MXFP8 on the device.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::PushKernelArg;
 use tessera_core::cuda::grid_1d;
-use tessera_core::{DType, Error, Result, Tensor};
+use tessera_core::{DType, Result, Tensor};
 
-use super::{BLOCK, MXFP8_PTX, device_of, dtype_suffix, format_suffix, launch};
+use super::{
+    BLOCK, MXFP8_PTX, Outputs, arg_or_null, device_of, dtype_suffix, format_suffix, launch,
+    tile_grid,
+};
 use crate::values::check_input;
 use crate::{BufferName, Fp8Format, QuantizedTensor};
 
@@ -20,7 +23,6 @@ pub(crate) fn quantize_into(
     const OP: &str = "cuda mxfp8 quantize";
     let (m, k) = check_input(OP, x)?;
     let dev = device_of(x)?;
-    let usage = out.usage();
     let f = dev.function(
         &MXFP8_PTX,
         &format!(
@@ -29,63 +31,16 @@ pub(crate) fn quantize_into(
             format_suffix(format)
         ),
     )?;
-    let take = |out: &mut QuantizedTensor, name, wanted: bool| -> Result<Option<Tensor>> {
-        if wanted {
-            out.take_buffer(name).map(Some)
-        } else {
-            Ok(None)
-        }
-    };
-    let mut q_row = take(out, BufferName::Data, usage.rowwise())?;
-    let mut s_row = take(out, BufferName::ScaleInv, usage.rowwise())?;
-    let mut q_col = take(out, BufferName::ColumnwiseData, usage.columnwise())?;
-    let mut s_col = take(out, BufferName::ColumnwiseScaleInv, usage.columnwise())?;
-    let dims = |t: &Option<Tensor>| {
-        t.as_ref().map_or([0u64, 0], |t| {
-            [t.shape().dims()[0] as u64, t.shape().dims()[1] as u64]
-        })
-    };
-    let ([_, s_row_cols], [s_col_rows, s_col_cols]) = (dims(&s_row), dims(&s_col));
-    // Scale padding must be zero: clear the scale buffers, the kernel writes valid entries.
-    for s in [&mut s_row, &mut s_col].into_iter().flatten() {
-        dev.stream()
-            .memset_zeros(s.cuda_slice_mut()?)
-            .map_err(|e| Error::Cuda {
-                op: OP,
-                msg: e.to_string(),
-            })?;
-    }
-    let gy = k.div_ceil(128);
-    if gy > 65_535 {
-        return Err(Error::shape(
-            OP,
-            format!("K = {k} exceeds the kernel's 128x65535-column grid"),
-        ));
-    }
-    let cfg = LaunchConfig {
-        grid_dim: ((m / 32).max(1) as u32, gy.max(1) as u32, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let mut o = Outputs::take(&dev, out, OP)?;
+    let s_row_cols = Outputs::dims(&o.s_row)[1];
+    let [s_col_rows, s_col_cols] = Outputs::dims(&o.s_col);
+    let cfg = tile_grid(OP, m, k, 32, 128)?;
     let (mu, ku) = (m as u64, k as u64);
     let (two_d, swz) = (i32::from(two_d), i32::from(swizzled));
     let max_rcp = format.max_rcp();
     let null = 0u64;
     {
-        let mut ptrs = Vec::new();
-        for t in [&mut q_row, &mut s_row, &mut q_col, &mut s_col] {
-            ptrs.push(match t {
-                Some(t) => Some(t.cuda_slice_mut()?),
-                None => None,
-            });
-        }
-        let mut ptrs = ptrs.into_iter();
-        let (qr, sr, qc, sc) = (
-            ptrs.next().flatten(),
-            ptrs.next().flatten(),
-            ptrs.next().flatten(),
-            ptrs.next().flatten(),
-        );
+        let [qr, sr, qc, sc] = o.slices()?;
         // SAFETY: (const T* x, u64 m, u64 k, float max_rcp, u8* q_row, u8* s_row, u64
         // s_row_cols, u8* q_col, u8* s_col, u64 s_col_rows, u64 s_col_cols, int two_d, int
         // swizzled): x is [m, k] with m, k multiples of 32 (checked by the quantizer), the
@@ -96,37 +51,16 @@ pub(crate) fn quantize_into(
                     .arg(&mu)
                     .arg(&ku)
                     .arg(&max_rcp);
-                match qr {
-                    Some(p) => b.arg(p),
-                    None => b.arg(&null),
-                };
-                match sr {
-                    Some(p) => b.arg(p),
-                    None => b.arg(&null),
-                };
+                arg_or_null(b, qr, &null);
+                arg_or_null(b, sr, &null);
                 b.arg(&s_row_cols);
-                match qc {
-                    Some(p) => b.arg(p),
-                    None => b.arg(&null),
-                };
-                match sc {
-                    Some(p) => b.arg(p),
-                    None => b.arg(&null),
-                };
+                arg_or_null(b, qc, &null);
+                arg_or_null(b, sc, &null);
                 b.arg(&s_col_rows).arg(&s_col_cols).arg(&two_d).arg(&swz);
             })
         }?;
     }
-    for (name, t) in [
-        (BufferName::Data, q_row),
-        (BufferName::ScaleInv, s_row),
-        (BufferName::ColumnwiseData, q_col),
-        (BufferName::ColumnwiseScaleInv, s_col),
-    ] {
-        if let Some(t) = t {
-            out.put_buffer(name, t);
-        }
-    }
+    o.put_back(out);
     out.source_dtype = x.dtype();
     Ok(())
 }

@@ -2,12 +2,12 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, DeviceRepr, PushKernelArg};
 use tessera_core::cuda::{CudaDevice, grid_1d};
-use tessera_core::{DType, Device, Error, Result, Tensor};
+use tessera_core::{DType, Device, Result, Tensor};
 use tessera_rng::Generator;
 
-use super::{BLOCK, NVFP4_PTX, device_of, dtype_suffix, launch};
+use super::{BLOCK, NVFP4_PTX, Outputs, device_of, dtype_suffix, launch, tile_grid};
 use crate::values::check_input;
 use crate::{AmaxReduction, BufferName, QuantizedTensor};
 
@@ -114,25 +114,8 @@ pub(crate) fn quantize_into(
             off_col = g.advance((m * k).div_ceil(4)).offset;
         }
     }
-    let take = |out: &mut QuantizedTensor, name, wanted: bool| -> Result<Option<Tensor>> {
-        if wanted {
-            out.take_buffer(name).map(Some)
-        } else {
-            Ok(None)
-        }
-    };
-    let q_row = take(out, BufferName::Data, usage.rowwise())?;
-    let mut s_row = take(out, BufferName::ScaleInv, usage.rowwise())?;
-    let q_col = take(out, BufferName::ColumnwiseData, usage.columnwise())?;
-    let mut s_col = take(out, BufferName::ColumnwiseScaleInv, usage.columnwise())?;
-    for s in [&mut s_row, &mut s_col].into_iter().flatten() {
-        dev.stream()
-            .memset_zeros(s.cuda_slice_mut()?)
-            .map_err(|e| Error::Cuda {
-                op: OP,
-                msg: e.to_string(),
-            })?;
-    }
+    let o = Outputs::take(&dev, out, OP)?;
+    let (q_row, s_row, q_col, s_col) = (&o.q_row, &o.s_row, &o.q_col, &o.s_col);
     let p = |t: &Option<Tensor>| t.as_ref().map_or(Ok(0), |t| addr(&dev, t));
     let cols = |t: &Option<Tensor>| t.as_ref().map_or(0, |t| t.shape().dims()[1] as u64);
     let args = Nvfp4Args {
@@ -140,12 +123,12 @@ pub(crate) fn quantize_into(
         k: k as u64,
         amax_row: addr(&dev, &a_row)?,
         amax_col: addr(&dev, &a_col)?,
-        q_row: p(&q_row)?,
-        s_row: p(&s_row)?,
-        s_row_cols: cols(&s_row),
-        q_col: p(&q_col)?,
-        s_col: p(&s_col)?,
-        s_col_cols: cols(&s_col),
+        q_row: p(q_row)?,
+        s_row: p(s_row)?,
+        s_row_cols: cols(s_row),
+        q_col: p(q_col)?,
+        s_col: p(s_col)?,
+        s_col_cols: cols(s_col),
         two_d: i32::from(two_d),
         rht: i32::from(rht),
         swizzled: i32::from(swizzled),
@@ -154,18 +137,7 @@ pub(crate) fn quantize_into(
         off_row,
         off_col,
     };
-    let gy = k.div_ceil(64);
-    if gy > 65_535 {
-        return Err(Error::shape(
-            OP,
-            format!("K = {k} exceeds the kernel's 64x65535-column grid"),
-        ));
-    }
-    let cfg = LaunchConfig {
-        grid_dim: (m.div_ceil(64).max(1) as u32, gy.max(1) as u32, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = tile_grid(OP, m, k, 64, 64)?;
     let f = dev.function(
         &NVFP4_PTX,
         &format!("tessera_nvfp4_{}", dtype_suffix(OP, x.dtype())?),
@@ -188,16 +160,7 @@ pub(crate) fn quantize_into(
     };
     put_amax(out, BufferName::Amax, &a_row)?;
     put_amax(out, BufferName::ColumnwiseAmax, &a_col)?;
-    for (name, t) in [
-        (BufferName::Data, q_row),
-        (BufferName::ScaleInv, s_row),
-        (BufferName::ColumnwiseData, q_col),
-        (BufferName::ColumnwiseScaleInv, s_col),
-    ] {
-        if let Some(t) = t {
-            out.put_buffer(name, t);
-        }
-    }
+    o.put_back(out);
     out.source_dtype = x.dtype();
     Ok(())
 }
