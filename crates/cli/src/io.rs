@@ -6,11 +6,10 @@
 //! native-endian bytes, so the crate only builds for little-endian targets.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{BufWriter, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
 
 use anyhow::{Context, anyhow, bail};
 use half::f16;
@@ -425,67 +424,27 @@ pub fn write_npy(path: &Path, t: &Tensor) -> anyhow::Result<()> {
     }
 }
 
-/// Writes `path` through `write` atomically: the bytes go to a new temporary file in the
-/// same directory, which is flushed to disk and then renamed over `path`. When `write`
-/// or any step fails, the temporary file is removed and `path` is left as it was.
+/// Writes `path` through `write` atomically ([`tessera_core::fs::write_atomically`]): the
+/// bytes go to a new temporary file in the same directory, which is flushed to disk and
+/// then renamed over `path`. When `write` or any step fails, the temporary file is
+/// removed and `path` is left as it was.
 pub fn write_atomically(
     path: &Path,
     write: impl FnOnce(&mut BufWriter<File>) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
-    static COUNTER: AtomicU32 = AtomicU32::new(0);
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| anyhow!("`{}` does not name a file", path.display()))?;
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let (tmp, file) = loop {
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let mut name = std::ffi::OsString::from(".");
-        name.push(file_name);
-        name.push(format!(".tessera-tmp-{}-{n}", std::process::id()));
-        let tmp = dir.join(name);
-        match OpenOptions::new().write(true).create_new(true).open(&tmp) {
-            Ok(f) => break (tmp, f),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && n < 1000 => continue,
-            Err(e) => {
-                return Err(e).with_context(|| {
-                    format!("cannot create a temporary file in `{}`", dir.display())
-                });
-            }
-        }
-    };
-    let guard = RemoveOnDrop(Some(tmp));
-    let tmp = guard.0.as_deref().expect("set above");
-    let mut w = BufWriter::new(file);
-    write(&mut w).with_context(|| format!("cannot write `{}`", path.display()))?;
-    let file = w
-        .into_inner()
-        .map_err(|e| e.into_error())
-        .with_context(|| format!("cannot write `{}`", path.display()))?;
-    file.sync_all()
-        .with_context(|| format!("cannot write `{}`", path.display()))?;
-    drop(file);
-    fs::rename(tmp, path).with_context(|| format!("cannot write `{}`", path.display()))?;
-    guard.disarm();
-    Ok(())
-}
-
-/// Removes a temporary file when dropped, unless disarmed.
-struct RemoveOnDrop(Option<PathBuf>);
-
-impl RemoveOnDrop {
-    fn disarm(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        if let Some(p) = self.0.take() {
-            let _ = fs::remove_file(p);
-        }
+    // The closure's own error (any kind) is kept aside and returned as it was.
+    let mut failure = None;
+    let r = tessera_core::fs::write_atomically(path, |w| {
+        write(w).map_err(|e| {
+            let msg = format!("{e:#}");
+            failure = Some(e);
+            std::io::Error::other(msg)
+        })
+    });
+    match (r, failure) {
+        (Ok(()), _) => Ok(()),
+        (Err(_), Some(e)) => Err(e.context(format!("cannot write `{}`", path.display()))),
+        (Err(e), None) => Err(e.into()),
     }
 }
 

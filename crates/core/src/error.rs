@@ -118,6 +118,15 @@ pub enum Error {
         feature: &'static str,
     },
 
+    /// A file could not be read or written.
+    #[error("{op}: {msg}")]
+    Io {
+        /// The operation that failed.
+        op: &'static str,
+        /// What could not be done, with the path and the system's message.
+        msg: String,
+    },
+
     /// A compiled kernel (PTX) does not match its CUDA source.
     #[error("stale kernel {name}: {msg}")]
     StaleKernel {

@@ -42,6 +42,7 @@ pub mod cuda;
 mod device;
 mod dtype;
 mod error;
+pub mod fs;
 pub mod kernels;
 mod param;
 mod replay;

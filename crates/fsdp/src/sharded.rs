@@ -13,10 +13,9 @@
 //! Under hybrid sharding only the first replica writes.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::{self, File, OpenOptions};
-use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::fs;
+use std::io::Write;
+use std::path::Path;
 
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
@@ -86,58 +85,10 @@ fn io_err(op: &'static str, what: &str, path: &Path, e: impl std::fmt::Display) 
     Error::state(op, format!("cannot {what} `{}`: {e}", path.display()))
 }
 
-/// Writes `bytes` to `path` atomically: a new temporary file in the same directory,
-/// flushed to disk, renamed over `path`; on failure nothing is left behind.
+/// Writes `bytes` to `path` atomically (see [`tessera_core::fs::write_atomically`]): on
+/// failure nothing is left behind.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    const OP: &str = "write_atomically";
-    static COUNTER: AtomicU32 = AtomicU32::new(0);
-    let name = path
-        .file_name()
-        .ok_or_else(|| Error::invalid(OP, format!("`{}` does not name a file", path.display())))?;
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let (tmp, file) = loop {
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let mut t = std::ffi::OsString::from(".");
-        t.push(name);
-        t.push(format!(".tessera-tmp-{}-{n}", std::process::id()));
-        let tmp = dir.join(t);
-        match OpenOptions::new().write(true).create_new(true).open(&tmp) {
-            Ok(f) => break (tmp, f),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && n < 100_000 => continue,
-            Err(e) => return Err(io_err(OP, "create a temporary file for", path, e)),
-        }
-    };
-    let guard = RemoveOnDrop(Some(tmp.clone()));
-    let mut w = BufWriter::new(file);
-    w.write_all(bytes)
-        .map_err(|e| io_err(OP, "write", path, e))?;
-    let file: File = w
-        .into_inner()
-        .map_err(|e| io_err(OP, "write", path, e.into_error()))?;
-    file.sync_all().map_err(|e| io_err(OP, "write", path, e))?;
-    drop(file);
-    fs::rename(&tmp, path).map_err(|e| io_err(OP, "write", path, e))?;
-    guard.disarm();
-    Ok(())
-}
-
-struct RemoveOnDrop(Option<PathBuf>);
-
-impl RemoveOnDrop {
-    fn disarm(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        if let Some(p) = self.0.take() {
-            let _ = fs::remove_file(p);
-        }
-    }
+    tessera_core::fs::write_atomically(path, |w| w.write_all(bytes))
 }
 
 /// Serializes named f32 host tensors (and string metadata) as a safetensors file, written
