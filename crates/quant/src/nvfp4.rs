@@ -14,7 +14,7 @@
 //! [`Generator`], `ceil(M·K/4)` words for the rowwise operand and then as many for the
 //! columnwise operand. Element `e` of an operand (row-major: `x` rowwise, the
 //! (transformed) `xᵀ` columnwise) rounds with byte `e % 4` (bits `8·(e%4)..`) of word
-//! `e / 4` (see [`encode_e2m1_stochastic`](crate::cast::encode_e2m1_stochastic)).
+//! `e / 4` (see [`encode_e2m1_stochastic`]).
 //!
 //! # Random Hadamard transform
 //!
