@@ -71,6 +71,147 @@ pub enum Command {
     /// (`tessera-fsdp-consolidated`) and the world size the checkpoint was saved with.
     /// Prints one line per parameter and a summary.
     Consolidate(ConsolidateArgs),
+
+    /// Train a stack of transformer MLP blocks with tensor, sequence and data (FSDP)
+    /// parallelism on thread ranks, train the same model on one unsharded rank with the
+    /// same recipe, and check that both agree.
+    ///
+    /// Each block: LayerNorm; column-parallel FC1 whose input is all-gathered along the
+    /// sequence in --format; GeLU; dropout from the model-parallel RNG stream; row-parallel
+    /// FC2 whose output is reduce-scattered along the sequence; residual + dropout from the
+    /// shared data-parallel stream. Weights are sharded over the data-parallel ranks
+    /// (FSDP) and gathered in --format where it allows. Prints each step's loss of both
+    /// runs and their difference, then a summary: the largest difference and the
+    /// tolerance it is held to, tokens/s, bytes per collective and format, peak saved
+    /// activations with and without checkpointing, and the RNG checks. Exits with status
+    /// 1 when a check fails.
+    Demo(DemoArgs),
+}
+
+/// The GEMM recipe of `tessera demo`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
+pub enum DemoFormat {
+    /// GEMM operands rounded to bf16, f32 accumulation; FSDP gathers weights in bf16.
+    Bf16,
+    /// FP8 E4M3 with one scale per tensor from its amax (all-reduced over the
+    /// sequence-parallel gather).
+    Fp8Current,
+    /// FP8 E4M3 with scales from an amax history (all-reduced over every rank once per
+    /// step).
+    Fp8Delayed,
+    /// MXFP8 E4M3 with an E8M0 scale per 32 elements.
+    Mxfp8,
+    /// NVFP4: FP4 E2M1 with an E4M3 scale per 16 elements and a global amax.
+    Nvfp4,
+    /// FP8 E4M3 with an f32 scale per 1×128 block.
+    Fp8Block,
+}
+
+/// Activation checkpointing of `tessera demo`'s blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
+pub enum CheckpointArg {
+    /// Every block keeps what its backward needs.
+    None,
+    /// Blocks keep their input; backward recomputes the forward first.
+    Reentrant,
+    /// Blocks keep their input; the backward's first use of an activation recomputes.
+    NonReentrant,
+}
+
+/// How `tessera demo`'s reference adds the products tensor parallelism splits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
+pub enum ReferenceSums {
+    /// FC2's product and FC1's input gradient summed over the ranks' partial products in
+    /// rank order, LayerNorm's gradients over sequence shards, each product with the
+    /// ranks' shapes: the same float additions in the same order.
+    Split,
+    /// Whole matrices multiplied at once: the float additions in another order.
+    Whole,
+}
+
+/// A deliberate bug for testing that `tessera demo`'s checks catch it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
+pub enum DemoFault {
+    /// The last tensor-parallel rank seeds its model-parallel stream wrongly.
+    MpMask,
+    /// The last tensor-parallel rank's data-parallel stream runs 4 words ahead.
+    DpMask,
+}
+
+/// `tessera demo`.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Tensor-parallel ranks (the sequence is split across them too).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub tp: u32,
+
+    /// Data-parallel ranks (parameters FSDP-sharded across them; each trains on its own
+    /// batch of --seq tokens).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub dp: u32,
+
+    /// Transformer MLP blocks.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub layers: u32,
+
+    /// Width of the residual stream.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub hidden: u32,
+
+    /// Width of the MLP's hidden layer [default: 4 × --hidden].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=262144))]
+    pub ffn: Option<u32>,
+
+    /// Tokens per data-parallel batch (divisible by --tp).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub seq: u32,
+
+    /// Training steps.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100000))]
+    pub steps: u32,
+
+    /// The GEMM recipe: what GEMM inputs, sequence-parallel gathers and FSDP weight
+    /// gathers are quantized to.
+    #[arg(long, value_enum, default_value = "mxfp8")]
+    pub format: DemoFormat,
+
+    /// Activation checkpointing of every block.
+    #[arg(long, value_enum, default_value = "none")]
+    pub checkpoint: CheckpointArg,
+
+    /// Where the ranks run.
+    #[arg(long, value_enum, default_value = "threads")]
+    pub backend: Backend,
+
+    /// Dropout probability (both dropouts).
+    #[arg(long, default_value_t = 0.1, value_name = "P")]
+    pub dropout: f32,
+
+    /// SGD learning rate.
+    #[arg(long, default_value_t = 1.0, value_name = "LR")]
+    pub lr: f32,
+
+    /// The seed of the weights, the data and the RNG streams.
+    #[arg(long, default_value_t = 1234)]
+    pub seed: u64,
+
+    /// Write the per-step losses and the summary as JSON.
+    #[arg(long, value_name = "OUT.json")]
+    pub report: Option<PathBuf>,
+
+    /// Draw both loss curves and their difference as an SVG chart.
+    #[arg(long, value_name = "LOSS.svg")]
+    pub plot: Option<PathBuf>,
+
+    /// How the reference adds the products the tensor-parallel ranks split: `split` adds
+    /// the same partial sums in the ranks' order (both runs must then agree bit for bit);
+    /// `whole` multiplies whole matrices (the loss is then held to an f32 rounding bound).
+    #[arg(long, value_enum, default_value = "split")]
+    pub reference_sums: ReferenceSums,
+
+    /// Break the run on purpose, to see a check fail (for tests).
+    #[arg(long, value_enum, hide = true)]
+    pub inject_fault: Option<DemoFault>,
 }
 
 /// `tessera consolidate`.
@@ -83,7 +224,7 @@ pub struct ConsolidateArgs {
     pub output: PathBuf,
 }
 
-/// Where the ranks of `tessera gather` run.
+/// Where the ranks of `tessera gather` and `tessera demo` run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Backend {
     /// Ranks are threads of this process.

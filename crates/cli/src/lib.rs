@@ -4,6 +4,7 @@
 //! tessera quantize   --format <FORMAT> [options] INPUT OUTPUT.safetensors
 //! tessera dequantize INPUT.safetensors OUTPUT(.npy|.safetensors)
 //! tessera report     --format <FORMAT> [options] MODEL.safetensors
+//! tessera demo       [--tp N] [--dp N] [--format F] [--checkpoint MODE] [options]
 //! ```
 //!
 //! - [`quantize`] reads every f32/bf16/f16 tensor of a `.npy` or `.safetensors` file and
@@ -16,6 +17,8 @@
 //!   checks every buffer's shape and dtype, and writes the values in the source dtype.
 //! - [`report`] quantizes every tensor of a model in memory and prints, per tensor, the
 //!   bytes before and after, the largest absolute error and the signal-to-noise ratio.
+//! - [`demo`] trains transformer MLP blocks with tensor, sequence and data (FSDP)
+//!   parallelism on thread ranks and checks every step against one unsharded rank.
 //!
 //! The library half of the crate exists so that each step can be tested on its own; the
 //! binary (`src/main.rs`) only parses the command line, calls [`run`] and turns an error
@@ -53,6 +56,7 @@
 
 pub mod args;
 pub mod consolidate;
+pub mod demo;
 pub mod dequantize;
 pub mod gather;
 pub mod io;
@@ -87,6 +91,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Report(a) => report::run(&a),
         Command::Gather(a) => gather::run(&a),
         Command::Consolidate(a) => consolidate::run(&a),
+        Command::Demo(a) => demo::run(&a),
     }
 }
 
