@@ -301,13 +301,8 @@ impl Fsdp {
 
     /// Hybrid sharding: shard over subgroups of `shard_size` consecutive ranks of
     /// `world`, replicate across them (the subgroups come from [`hybrid_groups`]). Every
-    /// rank of `world` must call it.
-    ///
-    /// For thread ranks, make the groups with [`thread_hybrid_groups`] and use
-    /// [`with_groups`](Self::with_groups) instead: `ThreadGroup::new_subgroup` keys a
-    /// subgroup by the parent's collective count read *before* its own exchange, so a
-    /// second `new_subgroup` right after the first can put ranks into different groups
-    /// (a hang until the group's timeout).
+    /// rank of `world` must call it. [`thread_hybrid_groups`] with
+    /// [`with_groups`](Self::with_groups) builds the same groups without collectives.
     pub fn hybrid(
         world: &Arc<dyn ProcessGroup>,
         shard_size: usize,
@@ -409,6 +404,13 @@ impl Fsdp {
         let mut layout = ShardLayout::new(shape, world, granule)?;
         let wire = match self.config.weight_format.quantizer() {
             None => Wire::HighPrecision,
+            // Vectors (biases, LayerNorm's gamma and beta) are no GEMM operands: they stay
+            // in the parameter dtype, as in TE, where only linear layers' weights are
+            // quantized.
+            Some(_) if shape.rank() < 2 => {
+                layout = ShardLayout::new(shape, world, 1)?;
+                Wire::HighPrecision
+            }
             Some(q) => {
                 let fmt = self.config.weight_format;
                 let whole_ok = q.check_shape(shape).is_ok();

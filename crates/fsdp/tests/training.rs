@@ -446,3 +446,41 @@ fn bad_input_is_a_typed_error() {
     .into_iter()
     .for_each(Result::unwrap);
 }
+
+#[test]
+fn hybrid_groups_from_subgroups_agree_on_thread_ranks() {
+    // `hybrid_groups` builds its shard and replicate groups with `new_subgroup` in a row:
+    // every rank must land in the groups of its position.
+    use std::sync::Arc;
+    use tessera_collectives::{ProcessGroup, ReduceOp, run_ranks};
+    use tessera_core::{Device, Tensor};
+    let results = run_ranks(6, |g| -> tessera_core::Result<(f32, f32)> {
+        let rank = g.rank() as f32;
+        let world: Arc<dyn ProcessGroup> = Arc::new(g);
+        let (shard, replicate) = tessera_fsdp::hybrid_groups(&world, 3)?;
+        let x = Tensor::from_slice(&[rank], [1], Device::Cpu)?;
+        let s = shard
+            .all_reduce(x.clone(), ReduceOp::Sum)?
+            .into_result()?
+            .to_vec::<f32>()?[0];
+        let r = replicate
+            .all_reduce(x, ReduceOp::Sum)?
+            .into_result()?
+            .to_vec::<f32>()?[0];
+        Ok((s, r))
+    })
+    .unwrap();
+    let got: Vec<(f32, f32)> = results.into_iter().map(|r| r.unwrap()).collect();
+    // Shard groups {0,1,2} and {3,4,5}; replicate groups {0,3}, {1,4}, {2,5}.
+    assert_eq!(
+        got,
+        vec![
+            (3.0, 3.0),
+            (3.0, 5.0),
+            (3.0, 7.0),
+            (12.0, 3.0),
+            (12.0, 5.0),
+            (12.0, 7.0)
+        ]
+    );
+}
