@@ -451,10 +451,7 @@ fn bad_input_is_a_typed_error() {
 fn hybrid_groups_from_subgroups_agree_on_thread_ranks() {
     // `hybrid_groups` builds its shard and replicate groups with `new_subgroup` in a row:
     // every rank must land in the groups of its position.
-    use std::sync::Arc;
-    use tessera_collectives::{ProcessGroup, ReduceOp, run_ranks};
-    use tessera_core::{Device, Tensor};
-    let results = run_ranks(6, |g| -> tessera_core::Result<(f32, f32)> {
+    let results = run_ranks(6, |g| -> Result<(f32, f32)> {
         let rank = g.rank() as f32;
         let world: Arc<dyn ProcessGroup> = Arc::new(g);
         let (shard, replicate) = tessera_fsdp::hybrid_groups(&world, 3)?;
