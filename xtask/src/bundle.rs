@@ -41,9 +41,13 @@ pub(crate) fn tests(root: &Path, dir: &Path) -> Result<()> {
             script,
             "  echo \"== {n} (multi-GPU)\"; ./bin/{n} --ignored --test-threads=1 multi_gpu_ \"${{args[@]}}\" || fail=1"
         )?;
-        writeln!(script, "  launch ./bin/{n} || fail=1")?;
     }
-    script.push_str("fi\nexit $fail\n");
+    script.push_str("fi\n");
+    // The one-process-per-GPU tests run at every GPU count, world size 1 included.
+    for n in &names {
+        writeln!(script, "launch ./bin/{n} || fail=1")?;
+    }
+    script.push_str("exit $fail\n");
     write_script(&dir.join("run-tests.sh"), &script)?;
     println!(
         "bundled {} test binaries into {}",
@@ -57,8 +61,8 @@ pub(crate) fn tests(root: &Path, dir: &Path) -> Result<()> {
 /// one-process-per-GPU tests.
 const RUN_TESTS_HEAD: &str = r#"#!/usr/bin/env bash
 # Runs the GPU tests of every bundled test binary: ./run-tests.sh [--gpus N] [test args...]
-# With --gpus N (N >= 2) also the multi-GPU tests, and N processes per binary with the
-# torchrun variables for the multi_process_ tests.
+# With --gpus N (N >= 2) also the multi-GPU tests. The multi_process_ tests run as N
+# processes per binary (1 by default) with the torchrun variables.
 cd "$(dirname "$0")"
 gpus=1
 args=()

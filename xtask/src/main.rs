@@ -37,15 +37,17 @@ enum Cmd {
     },
     /// Run the GPU tests (the ignored ones) with the `cuda` features.
     ///
-    /// With `--gpus N` (N ≥ 2) it also runs the multi-GPU tests (one thread per GPU) and
-    /// starts N processes with the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK,
-    /// MASTER_ADDR, MASTER_PORT) for the one-process-per-GPU tests.
+    /// With `--gpus N` (N ≥ 2) it also runs the multi-GPU tests (one thread per GPU). The
+    /// one-process-per-GPU tests (`multi_process_*`) run as N processes (1 by default)
+    /// with the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    /// MASTER_PORT).
     TestGpu {
         /// Instead of running, build stripped release test binaries and a `run-tests.sh`
         /// into DIR, for a machine with a GPU and no cargo.
         #[arg(long, value_name = "DIR")]
         bundle: Option<PathBuf>,
-        /// GPUs to use for the multi-GPU tests (1: skip them).
+        /// GPUs to use (1: skip the multi-GPU tests; the multi-process tests run as one
+        /// rank).
         #[arg(long, default_value_t = 1)]
         gpus: u32,
     },

@@ -229,7 +229,9 @@ pub struct ConsolidateArgs {
 pub enum Backend {
     /// Ranks are threads of this process.
     Threads,
-    /// One process per GPU over NCCL (started by `cargo xtask test-gpu`'s launcher).
+    /// One process per GPU over NCCL, started by a torchrun-style launcher (`RANK`,
+    /// `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`); needs the `cuda`
+    /// feature. `tessera gather` only: rank 0 writes the output.
     Nccl,
 }
 

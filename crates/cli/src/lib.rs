@@ -4,6 +4,7 @@
 //! tessera quantize   --format <FORMAT> [options] INPUT OUTPUT.safetensors
 //! tessera dequantize INPUT.safetensors OUTPUT(.npy|.safetensors)
 //! tessera report     --format <FORMAT> [options] MODEL.safetensors
+//! tessera gather     --world N [--backend threads|nccl] --format <FORMAT> INPUT OUTPUT.safetensors
 //! tessera demo       [--tp N] [--dp N] [--format F] [--checkpoint MODE] [options]
 //! ```
 //!
@@ -17,6 +18,11 @@
 //!   checks every buffer's shape and dtype, and writes the values in the source dtype.
 //! - [`report`] quantizes every tensor of a model in memory and prints, per tensor, the
 //!   bytes before and after, the largest absolute error and the signal-to-noise ratio.
+//! - [`gather`] shards each tensor along its first dimension over `N` ranks, quantizes
+//!   every shard on its rank and all-gathers the quantized bytes; rank 0 writes what it
+//!   gathered, byte for byte what [`quantize`] writes for the whole file. Ranks are
+//!   threads, or (`--backend nccl`, `cuda` feature) one process per GPU started by a
+//!   torchrun-style launcher, quantizing with the CUDA kernels.
 //! - [`demo`] trains transformer MLP blocks with tensor, sequence and data (FSDP)
 //!   parallelism on thread ranks and checks every step against one unsharded rank.
 //!
