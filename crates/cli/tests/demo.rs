@@ -440,13 +440,30 @@ fn options_that_do_not_fit_are_usage_errors() {
 }
 
 #[test]
-fn the_nccl_backend_is_a_clear_error() {
-    let o = demo(&["--backend", "nccl"], None);
+fn the_nccl_backend_outside_a_launcher_is_a_clear_error() {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tessera"));
+    c.args(["demo", "--backend", "nccl"]);
+    for v in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
+        c.env_remove(v);
+    }
+    let o = c.output().expect("the tessera binary runs");
     let err = text(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("--backend nccl is not implemented yet") && err.contains("launcher"),
-        "{err}"
-    );
+    if cfg!(feature = "cuda") {
+        // A process of its own, with no launcher's variables to join by.
+        assert!(
+            err.contains("joining the NCCL group of this process's launcher")
+                && err.contains("RANK"),
+            "{err}"
+        );
+    } else {
+        assert!(err.contains("built with the `cuda` feature"), "{err}");
+    }
     assert!(o.stdout.is_empty());
 }

@@ -29,7 +29,7 @@ use tessera_collectives::{
     GroupAmaxReduction, MaybeQuantized, ProcessGroup, ReduceOp, gather_along_first_dim,
     reduce_scatter_along_first_dim,
 };
-use tessera_core::{DType, Device, Error, Replay, Result, Shape, Tensor};
+use tessera_core::{DType, Error, Replay, Result, Shape, Tensor};
 use tessera_fsdp::{CountingGroup, FullParam};
 use tessera_quant::{AmaxReduction, BufferName, Kind, QuantizedTensor};
 use tessera_rng::tp::MODEL_PARALLEL_RNG;
@@ -439,7 +439,7 @@ impl Recompute for BlockCall<'_> {
         let a = ops::matmul(&z_full, false, &w.w1, true)?;
         let g = ops::gelu(&a)?;
         let (d, mask_mp) = ctx.tracker.fork(MODEL_PARALLEL_RNG, || -> Result<_> {
-            with_current_generator(Device::Cpu, |rng| rng.dropout_tensor(&g, p))?
+            with_current_generator(cfg.device, |rng| rng.dropout_tensor(&g, p))?
         })?;
         let dq = ctx.sites[l][idx(Site::Fc2Input)].quantize(&d, phase.is_forward())?;
         let o_partial = ops::matmul(&dq.values, false, &w.w2, true)?;
@@ -452,10 +452,10 @@ impl Recompute for BlockCall<'_> {
         // agree by construction); each keeps its rows.
         let last_tp = ctx.tp_rank + 1 == cfg.tp;
         if cfg.fault == Some(DemoFault::DpMask) && last_tp && ctx.step == 0 && l == 0 {
-            with_current_generator(Device::Cpu, |rng| rng.advance(4))?;
+            with_current_generator(cfg.device, |rng| rng.advance(4))?;
         }
-        let full_mask = Tensor::from_slice(&ops::draw_mask(s * h, p)?, [s, h], Device::Cpu)?;
-        let mask_dp = ops::mask_rows(&full_mask, ctx.tp_rank * n..(ctx.tp_rank + 1) * n)?;
+        let full_mask = ops::draw_mask([s, h], p, cfg.device)?;
+        let mask_dp = ops::rows(&full_mask, ctx.tp_rank * n..(ctx.tp_rank + 1) * n)?;
         let y = ops::add(x, &ops::apply_mask(&o, &mask_dp, p)?)?;
 
         let d_kept = Kept::from_wire(dq.wire);
@@ -545,28 +545,22 @@ impl Recompute for BlockCall<'_> {
             &dz_partial,
         )?;
         let (dx_ln, mut dgamma, mut dbeta) = ops::layernorm_backward(&dz, &x, &stats, &me.w.gamma)?;
-        let h = dgamma.len();
+        let h = dgamma.numel();
         if me.ctx.cfg.tp > 1 {
             // γ and β see every token, but this rank only its own: sum over the group.
             let group = me.ctx.group();
-            let both = Tensor::from_slice(&[dgamma, dbeta].concat(), [2 * h], Device::Cpu)?;
+            let both = ops::concat_rows(&[dgamma.reshape([1, h])?, dbeta.reshape([1, h])?])?;
             let sum = me.ctx.counted(
                 "all-reduce: LayerNorm grads (SP)".into(),
                 "f32".into(),
                 both.size_in_bytes(),
                 |_| group.all_reduce(both, ReduceOp::Sum)?.into_result(),
             )?;
-            let v = sum.to_vec::<f32>()?;
-            dgamma = v[..h].to_vec();
-            dbeta = v[h..].to_vec();
+            dgamma = ops::rows(&sum, 0..1)?.reshape([h])?;
+            dbeta = ops::rows(&sum, 1..2)?.reshape([h])?;
         }
         let dx = ops::add(dy, &dx_ln)?;
-        me.grads = Some([
-            Tensor::from_slice(&dgamma, [h], Device::Cpu)?,
-            Tensor::from_slice(&dbeta, [h], Device::Cpu)?,
-            dw1,
-            dw2,
-        ]);
+        me.grads = Some([dgamma, dbeta, dw1, dw2]);
         Ok(vec![dx])
     }
 

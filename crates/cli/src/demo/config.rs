@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use tessera_checkpoint::Mode;
-use tessera_core::{DType, Replay, Result, Shape, Tensor};
+use tessera_core::{DType, Device, Replay, Result, Shape, Tensor};
 use tessera_fsdp::{FsdpConfig, WeightFormat};
 use tessera_quant::{
     AmaxReduction, Fp8DelayedScaling, Fp8Format, QuantizedTensor, Quantizer, Usage,
@@ -52,6 +52,11 @@ pub struct DemoConfig {
     pub reference_sums: ReferenceSums,
     /// A deliberate bug, for tests.
     pub fault: Option<DemoFault>,
+    /// Thread ranks or one process per GPU.
+    pub backend: Backend,
+    /// Where the ranks' tensors live: the host for thread ranks; a process rank's GPU
+    /// (set from its group when it joins).
+    pub device: Device,
 }
 
 /// The command-line name of a format.
@@ -93,9 +98,6 @@ impl DemoConfig {
     /// Checks the options: the shapes every rank works on must exist and, for the block
     /// formats, hold whole blocks. Every problem is a usage error.
     pub fn from_args(a: &DemoArgs) -> Result<DemoConfig, DemoError> {
-        if a.backend == Backend::Nccl {
-            return Err(DemoError::BackendNotImplemented);
-        }
         let (tp, dp) = (a.tp as usize, a.dp as usize);
         let hidden = a.hidden as usize;
         let ffn = a.ffn.map_or(4 * hidden, |f| f as usize);
@@ -147,6 +149,8 @@ impl DemoConfig {
             seed: a.seed,
             reference_sums: a.reference_sums,
             fault: a.inject_fault,
+            backend: a.backend,
+            device: Device::Cpu,
         };
         cfg.check_operand_shapes()?;
         Ok(cfg)

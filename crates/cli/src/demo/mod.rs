@@ -81,14 +81,28 @@
 //!
 //! # Backends
 //!
-//! Only thread ranks are implemented: `--backend nccl` (one process per GPU, started by
-//! `cargo xtask test-gpu`'s launcher) is a typed error ([`DemoError::BackendNotImplemented`]).
+//! - `--backend threads` (the default): `tp · dp` thread ranks of this process on the
+//!   CPU, exchanging host tensors through a [`ThreadGroup`](tessera_collectives::ThreadGroup).
+//! - `--backend nccl`: one process per GPU, started by a torchrun-style launcher
+//!   (`torchrun --no-python`, or `cargo xtask test-gpu`'s, which runs the demo this way)
+//!   that sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`. Each
+//!   process joins an [`NcclGroup`](tessera_collectives::nccl::NcclGroup) and trains its
+//!   rank on its GPU: GEMMs through cuBLAS, LayerNorm, GeLU, dropout and the
+//!   quantizers through tessera's kernels (module `process`). Rank 0 trains the
+//!   reference on its GPU too, so the exact check compares cuBLAS with cuBLAS; needs a
+//!   build with the `cuda` feature.
+//!
+//! The arithmetic is the same on both (module `ops`): apart from the GEMMs' internal
+//! blocking, a GPU run computes the very bits of a CPU run.
 
 mod block;
 pub mod config;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod model;
 mod ops;
 mod plot;
+mod process;
 mod rank;
 pub mod record;
 mod reference;
@@ -98,13 +112,16 @@ use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::Instant;
 
-use tessera_collectives::run_ranks;
+use std::sync::Arc;
+
+use tessera_collectives::{ProcessGroup, run_ranks};
 
 pub use config::DemoConfig;
+pub use process::execute_in_group;
 pub use report::DemoReport;
 
 use crate::UsageError;
-use crate::args::DemoArgs;
+use crate::args::{Backend, DemoArgs};
 use rank::{RankOutput, StepEvent};
 use reference::Reference;
 use report::Console;
@@ -136,12 +153,12 @@ pub enum DemoError {
     /// Any other option out of range or inconsistent.
     #[error("{0}")]
     Usage(String),
-    /// `--backend nccl`.
+    /// `--backend nccl` in a build without the `cuda` feature.
     #[error(
-        "--backend nccl is not implemented yet: it needs one process per GPU started by the \
-         launcher (`cargo xtask test-gpu`) and cuBLAS GEMMs; use --backend threads"
+        "--backend nccl needs a tessera built with the `cuda` feature \
+         (cargo build -p tessera-cli --features cuda); use --backend threads here"
     )]
-    BackendNotImplemented,
+    NoCuda,
     /// A tessera operation failed on a rank or in the reference.
     #[error("{context}: {source}")]
     Tessera {
@@ -202,7 +219,15 @@ impl DemoError {
 /// status 1.
 pub fn run(a: &DemoArgs) -> anyhow::Result<()> {
     let out = DemoConfig::from_args(a).and_then(|cfg| {
-        let report = execute(&cfg, &mut Console::new(cfg.steps))?;
+        let mut console = Console::new(cfg.steps);
+        let report = match cfg.backend {
+            Backend::Threads => execute(&cfg, &mut console)?,
+            Backend::Nccl => match execute_in_group(&cfg, nccl_world()?, &mut console)? {
+                Some(report) => report,
+                // Rank 0 reports; the others are done once their part is.
+                None => return Ok(()),
+            },
+        };
         if let Some(path) = &a.report {
             report.write_json(path)?;
         }
@@ -220,8 +245,25 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<()> {
     })
 }
 
-/// Trains the reference and the distributed model, printing each step's losses and the
-/// summary on `console`, and returns the report (its checks may have failed).
+/// This process's rank of the NCCL group its launcher started.
+#[cfg(feature = "cuda")]
+fn nccl_world() -> Result<Arc<dyn ProcessGroup>, DemoError> {
+    let group = tessera_collectives::nccl::NcclGroup::from_env().map_err(DemoError::tessera(
+        "--backend nccl: joining the NCCL group of this process's launcher (one process per \
+         GPU with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set)",
+    ))?;
+    Ok(Arc::new(group))
+}
+
+/// Without the `cuda` feature there is no NCCL group to join.
+#[cfg(not(feature = "cuda"))]
+fn nccl_world() -> Result<Arc<dyn ProcessGroup>, DemoError> {
+    Err(DemoError::NoCuda)
+}
+
+/// Trains the reference and the distributed model on thread ranks, printing each step's
+/// losses and the summary on `console`, and returns the report (its checks may have
+/// failed).
 pub fn execute(cfg: &DemoConfig, console: &mut Console) -> Result<DemoReport, DemoError> {
     console.intro(cfg)?;
 
@@ -248,7 +290,17 @@ pub fn execute(cfg: &DemoConfig, console: &mut Console) -> Result<DemoReport, De
     let mut rows = Vec::with_capacity(cfg.steps);
     let ranks: Result<Vec<tessera_core::Result<RankOutput>>, DemoError> = std::thread::scope(|s| {
         let init = &init;
-        let handle = s.spawn(move || run_ranks(cfg.world(), |g| rank::run_rank(g, cfg, init, &tx)));
+        let handle = s.spawn(move || {
+            run_ranks(cfg.world(), |g| {
+                let tx = tx.clone();
+                // A receiver that went away has nothing left to show; training goes on.
+                let mut send = |ev: StepEvent| {
+                    let _ = tx.send(ev);
+                    Ok(())
+                };
+                rank::run_rank(Arc::new(g), cfg, init, &mut send)
+            })
+        });
         let mut parts = vec![vec![None::<f64>; cfg.world()]; cfg.steps];
         let mut next = 0;
         for ev in rx {

@@ -84,16 +84,19 @@ pub(crate) fn batch(cfg: &DemoConfig, step: usize, d: usize) -> Result<(Tensor, 
         }
     }
     Ok((
-        Tensor::from_slice(&x, [s, h], Device::Cpu)?,
-        Tensor::from_slice(&t, [s, h], Device::Cpu)?,
+        Tensor::from_slice(&x, [s, h], cfg.device)?,
+        Tensor::from_slice(&t, [s, h], cfg.device)?,
     ))
 }
 
 /// `(Σ 0.5·(y - target)², dy)` over the rows given, with `dy = (y - target) · inv` where
 /// `inv = 1 / (seq · hidden)`: the sum (in f64, row order) is one part of a batch's loss
-/// numerator, `dy` the gradient of the batch's mean.
+/// numerator, `dy` the gradient of the batch's mean, on `y`'s device.
+///
+/// The loss is a number the host prints, so it is computed there: CUDA outputs come to
+/// the host (one `[rows, hidden]` pair per step) and `dy` goes back.
 pub(crate) fn loss_part(y: &Tensor, target: &Tensor, inv: f32) -> Result<(f64, Tensor)> {
-    let (yv, tv) = (y.as_slice::<f32>()?, target.as_slice::<f32>()?);
+    let (yv, tv) = (y.to_vec::<f32>()?, target.to_vec::<f32>()?);
     if yv.len() != tv.len() {
         return Err(tessera_core::Error::shape(
             "loss",
@@ -102,12 +105,12 @@ pub(crate) fn loss_part(y: &Tensor, target: &Tensor, inv: f32) -> Result<(f64, T
     }
     let mut sum = 0.0f64;
     let mut dy = Vec::with_capacity(yv.len());
-    for (&a, &b) in yv.iter().zip(tv) {
+    for (&a, &b) in yv.iter().zip(&tv) {
         let e = a - b;
         sum += 0.5 * f64::from(e) * f64::from(e);
         dy.push(e * inv);
     }
-    Ok((sum, Tensor::from_slice(&dy, y.shape(), Device::Cpu)?))
+    Ok((sum, Tensor::from_slice(&dy, y.shape(), y.device())?))
 }
 
 /// `1 / (seq · hidden)` in f32, the factor of every loss gradient.

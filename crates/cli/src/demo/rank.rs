@@ -7,12 +7,11 @@
 //! the two it belongs to, each wrapped in a [`CountingGroup`].
 
 use std::sync::Arc;
-use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
 use tessera_checkpoint::{Checkpoint, Frame, MemoryMeter, Mode};
-use tessera_collectives::{ProcessGroup, ReduceOp, ThreadGroup};
-use tessera_core::{Device, Error, Result, Tensor};
+use tessera_collectives::{ProcessGroup, ReduceOp};
+use tessera_core::{Error, Result, Tensor};
 use tessera_fsdp::{CountingGroup, Fsdp, FullParam, MemoryStats, Wire};
 use tessera_rng::RngTracker;
 use tessera_rng::tp::{
@@ -97,7 +96,7 @@ fn make_groups(world: Arc<dyn ProcessGroup>, tp: usize, dp: usize) -> Result<Gro
 /// The RNG tracker of tensor-parallel rank `tp_rank` (Megatron's seeds; the current
 /// generator of this thread seeded with the shared data-parallel seed).
 fn seed_rng(cfg: &DemoConfig, tp_rank: usize) -> Result<RngTracker> {
-    let mut tracker = RngTracker::new(Device::Cpu);
+    let mut tracker = RngTracker::new(cfg.device);
     let seeds = model_parallel_manual_seed(&mut tracker, cfg.seed, tp_rank as u64, 0)?;
     if cfg.fault == Some(DemoFault::MpMask) && tp_rank + 1 == cfg.tp {
         tracker.reset();
@@ -110,7 +109,7 @@ fn seed_rng(cfg: &DemoConfig, tp_rank: usize) -> Result<RngTracker> {
 /// The seeds the reference must reproduce for tensor-parallel rank `t`.
 pub(crate) fn reference_tracker(cfg: &DemoConfig, t: usize) -> Result<RngTracker> {
     let seeds = ParallelSeeds::megatron(cfg.seed, t as u64, 0)?;
-    let mut tracker = RngTracker::new(Device::Cpu);
+    let mut tracker = RngTracker::new(cfg.device);
     tracker.add(MODEL_PARALLEL_RNG, seeds.model_parallel)?;
     tracker.add(EXPERT_PARALLEL_RNG, seeds.expert_parallel)?;
     Ok(tracker)
@@ -321,15 +320,15 @@ impl Sharded {
     }
 }
 
-/// Trains on one rank from the initial weights `init`: `cfg.steps` steps, reporting
-/// each step's loss part on `events`.
+/// Trains on one rank of `world` from the initial weights `init`: `cfg.steps` steps on
+/// `cfg.device`, handing each step's loss part to `report` (an error from it ends the
+/// run).
 pub(crate) fn run_rank(
-    world: ThreadGroup,
+    world: Arc<dyn ProcessGroup>,
     cfg: &DemoConfig,
     init: &[LayerWeights],
-    events: &Sender<StepEvent>,
+    report: &mut dyn FnMut(StepEvent) -> Result<()>,
 ) -> Result<RankOutput> {
-    let world: Arc<dyn ProcessGroup> = Arc::new(world);
     let rank = world.rank();
     let (tp_rank, dp_rank) = (rank % cfg.tp, rank / cfg.tp);
     let groups = make_groups(world, cfg.tp, cfg.dp)?;
@@ -411,7 +410,7 @@ pub(crate) fn run_rank(
         if cfg.format == DemoFormat::Fp8Delayed {
             let newest = newest_amaxes(&ctx.sites);
             let reduced = if cfg.world() > 1 {
-                let t = Tensor::from_slice(&newest, [newest.len()], Device::Cpu)?;
+                let t = Tensor::from_slice(&newest, [newest.len()], cfg.device)?;
                 counted(
                     &mut ctx.traffic,
                     &groups.world,
@@ -430,13 +429,12 @@ pub(crate) fn run_rank(
             };
             update_delayed(&mut ctx.sites, &reduced);
         }
-        // A receiver that went away has nothing left to show; training goes on.
-        let _ = events.send(StepEvent {
+        report(StepEvent {
             step,
             dp: dp_rank,
             tp: tp_rank,
             loss_sum,
-        });
+        })?;
     }
     Ok(RankOutput {
         tp_rank,

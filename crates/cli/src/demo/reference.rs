@@ -21,7 +21,7 @@
 //! The batches of a step are independent given the weights, so they run on threads.
 
 use tessera_checkpoint::tensor_checksum;
-use tessera_core::{Device, Error, Result, Tensor};
+use tessera_core::{Error, Result, Tensor};
 use tessera_rng::tp::MODEL_PARALLEL_RNG;
 use tessera_rng::{
     GeneratorState, RngTracker, get_rng_state, set_rng_state, with_current_generator,
@@ -110,11 +110,13 @@ impl Reference {
     fn views(&mut self) -> Result<Vec<View>> {
         let (tp, fl) = (self.cfg.tp, self.cfg.local_ffn());
         let bf16 = self.cfg.format == DemoFormat::Bf16;
+        let dev = self.cfg.device;
         let round = |t: &Tensor| -> Result<Tensor> {
+            let t = t.to_device(dev)?;
             if bf16 {
-                ops::to_f32(&ops::to_bf16(t)?)
+                ops::to_f32(&ops::to_bf16(&t)?)
             } else {
-                Ok(t.clone())
+                Ok(t)
             }
         };
         let mut out = Vec::with_capacity(self.layers.len());
@@ -122,16 +124,16 @@ impl Reference {
             let mut w1 = Vec::with_capacity(tp);
             let mut w2 = Vec::with_capacity(tp);
             for t in 0..tp {
-                let rows = ops::rows(&w.w1, t * fl..(t + 1) * fl)?;
+                let rows = ops::rows(&w.w1, t * fl..(t + 1) * fl)?.to_device(dev)?;
                 w1.push(sites[idx(Site::Fc1Weight)].quantize(&rows, true)?.values);
-                let cols = ops::col_block(&w.w2, t, fl)?;
+                let cols = ops::col_block(&w.w2, t, fl)?.to_device(dev)?;
                 w2.push(sites[idx(Site::Fc2Weight)].quantize(&cols, true)?.values);
             }
             out.push(View {
                 gamma: round(&w.gamma)?,
                 beta: round(&w.beta)?,
                 w1: ops::concat_rows(&w1)?,
-                w2: ops::concat_cols::<f32>(&w2)?,
+                w2: ops::concat_cols(&w2)?,
                 w1_blocks: w1,
                 w2_blocks: w2,
             });
@@ -197,7 +199,7 @@ impl Reference {
             for (i, w) in params.into_iter().enumerate() {
                 let mut g = outs[0].grads[l][i].to_vec::<f32>()?;
                 for o in &outs[1..] {
-                    for (a, b) in g.iter_mut().zip(o.grads[l][i].as_slice::<f32>()?) {
+                    for (a, b) in g.iter_mut().zip(o.grads[l][i].to_vec::<f32>()?) {
                         *a += b;
                     }
                 }
@@ -253,7 +255,8 @@ fn batch(
     current: GeneratorState,
     mut sites: Vec<[SiteQuantizer; 2]>,
 ) -> Result<BatchOut> {
-    set_rng_state(Device::Cpu, current)?;
+    let dev = cfg.device;
+    set_rng_state(dev, current)?;
     let (s, h, fl, p, tp) = (cfg.seq, cfg.hidden, cfg.local_ffn(), cfg.dropout, cfg.tp);
     let split = cfg.reference_sums == ReferenceSums::Split;
     let (mut x, target) = model::batch(cfg, step, d)?;
@@ -278,7 +281,7 @@ fn batch(
         for (t, (tracker, a_t)) in trackers.iter_mut().zip(&a).enumerate() {
             let g_t = ops::gelu(a_t)?;
             let (d_t, m_t) = tracker.fork(MODEL_PARALLEL_RNG, || -> Result<_> {
-                with_current_generator(Device::Cpu, |rng| rng.dropout_tensor(&g_t, p))?
+                with_current_generator(dev, |rng| rng.dropout_tensor(&g_t, p))?
             })?;
             masks.push(MaskRecord {
                 step,
@@ -299,9 +302,9 @@ fn batch(
                     .collect::<Result<_>>()?,
             )?
         } else {
-            ops::matmul(&ops::concat_cols::<f32>(&dq)?, false, &w.w2, true)?
+            ops::matmul(&ops::concat_cols(&dq)?, false, &w.w2, true)?
         };
-        let mask_dp = Tensor::from_slice(&ops::draw_mask(s * h, p)?, [s, h], Device::Cpu)?;
+        let mask_dp = ops::draw_mask([s, h], p, dev)?;
         masks.push(MaskRecord {
             step,
             layer: l,
@@ -346,17 +349,13 @@ fn batch(
                 dw1.push(ops::matmul(&da, true, &k.zq, false)?);
                 dz.push(ops::matmul(&da, false, &w.w1_blocks[t], false)?);
             }
-            (
-                ops::concat_rows(&dw1)?,
-                ops::concat_cols::<f32>(&dw2)?,
-                fold(dz)?,
-            )
+            (ops::concat_rows(&dw1)?, ops::concat_cols(&dw2)?, fold(dz)?)
         } else {
-            let dq = ops::concat_cols::<f32>(&k.dq)?;
+            let dq = ops::concat_cols(&k.dq)?;
             let dw2 = ops::matmul(&d_o, true, &dq, false)?;
             let dd = ops::matmul(&d_o, false, &w.w2, false)?;
-            let dg = ops::apply_mask(&dd, &ops::concat_cols::<u8>(&k.mask_mp)?, p)?;
-            let da = ops::gelu_backward(&ops::concat_cols::<f32>(&k.a)?, &dg)?;
+            let dg = ops::apply_mask(&dd, &ops::concat_cols(&k.mask_mp)?, p)?;
+            let da = ops::gelu_backward(&ops::concat_cols(&k.a)?, &dg)?;
             let dw1 = ops::matmul(&da, true, &k.zq, false)?;
             (dw1, dw2, ops::matmul(&da, false, &w.w1, false)?)
         };
@@ -366,12 +365,7 @@ fn batch(
             ops::layernorm_backward(&dz, &k.x, &k.stats, &w.gamma)?
         };
         dy = ops::add(&dy, &dx_ln)?;
-        grads.push([
-            Tensor::from_slice(&dgamma, [h], Device::Cpu)?,
-            Tensor::from_slice(&dbeta, [h], Device::Cpu)?,
-            dw1,
-            dw2,
-        ]);
+        grads.push([dgamma, dbeta, dw1, dw2]);
     }
     grads.reverse();
     Ok(BatchOut {
@@ -379,7 +373,7 @@ fn batch(
         grads,
         masks,
         trackers,
-        current: get_rng_state(Device::Cpu)?,
+        current: get_rng_state(dev)?,
         sites,
     })
 }
@@ -392,32 +386,21 @@ fn layernorm_backward_sharded(
     stats: &LnStats,
     gamma: &Tensor,
     shards: usize,
-) -> Result<(Tensor, Vec<f32>, Vec<f32>)> {
+) -> Result<(Tensor, Tensor, Tensor)> {
     let n = x.shape().dims()[0] / shards;
     let mut dx = Vec::with_capacity(shards);
-    let (mut dgamma, mut dbeta): (Option<Vec<f32>>, Option<Vec<f32>>) = (None, None);
+    let (mut dgamma, mut dbeta) = (Vec::with_capacity(shards), Vec::with_capacity(shards));
     for t in 0..shards {
         let r = t * n..(t + 1) * n;
-        let part = LnStats {
-            mean: Tensor::from_slice(&stats.mean.as_slice::<f32>()?[r.clone()], [n], Device::Cpu)?,
-            rstd: Tensor::from_slice(&stats.rstd.as_slice::<f32>()?[r.clone()], [n], Device::Cpu)?,
-        };
-        let (dx_t, dg_t, db_t) =
-            ops::layernorm_backward(&ops::rows(dz, r.clone())?, &ops::rows(x, r)?, &part, gamma)?;
+        let (dx_t, dg_t, db_t) = ops::layernorm_backward(
+            &ops::rows(dz, r.clone())?,
+            &ops::rows(x, r.clone())?,
+            &stats.rows(r)?,
+            gamma,
+        )?;
         dx.push(dx_t);
-        let add = |acc: Option<Vec<f32>>, v: Vec<f32>| match acc {
-            None => v,
-            Some(mut a) => {
-                a.iter_mut().zip(&v).for_each(|(a, b)| *a += b);
-                a
-            }
-        };
-        dgamma = Some(add(dgamma, dg_t));
-        dbeta = Some(add(dbeta, db_t));
+        dgamma.push(dg_t);
+        dbeta.push(db_t);
     }
-    Ok((
-        ops::concat_rows(&dx)?,
-        dgamma.unwrap_or_default(),
-        dbeta.unwrap_or_default(),
-    ))
+    Ok((ops::concat_rows(&dx)?, fold(dgamma)?, fold(dbeta)?))
 }

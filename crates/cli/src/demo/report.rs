@@ -15,7 +15,7 @@ use super::config::{DemoConfig, format_name, format_recipe};
 use super::rank::RankOutput;
 use super::record::{BlockBytes, Region};
 use super::reference::RefStep;
-use crate::args::ReferenceSums;
+use crate::args::{Backend, ReferenceSums};
 
 /// The unit roundoff of f32.
 const U: f64 = 1.0 / (1u64 << 24) as f64;
@@ -682,7 +682,7 @@ impl Console {
     pub(crate) fn intro(&self, cfg: &DemoConfig) -> Result<(), DemoError> {
         self.print(&format!(
             "tessera demo: {} blocks (hidden {}, ffn {}), {} tokens per batch, {} steps\n  \
-             ranks   tp {} × dp {} = {} thread ranks; {} tokens per TP rank between blocks\n  \
+             ranks   tp {} × dp {} = {} {}; {} tokens per TP rank between blocks\n  \
              recipe  {}: {}\n  \
              recompute {}\n\n",
             cfg.layers,
@@ -693,6 +693,10 @@ impl Console {
             cfg.tp,
             cfg.dp,
             cfg.world(),
+            match cfg.backend {
+                Backend::Threads => "thread ranks",
+                Backend::Nccl => "processes over NCCL, one GPU each",
+            },
             cfg.local_tokens(),
             format_name(cfg.format),
             format_recipe(cfg.format),
