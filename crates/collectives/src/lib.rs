@@ -10,6 +10,10 @@
 //!   generic implementation driven by the formats' wire layouts
 //!   ([`tessera_quant::wire`]); [`reduce_scatter_along_first_dim`], [`allreduce`],
 //!   [`split_tensor_into_1d_equal_chunks`] / [`gather_split_1d_tensor`].
+//! - [`packing`]: the wire layout's pack and unpack run where the tensors live — host
+//!   copies for host tensors, device-to-device and 2-D copies on the tessera stream for
+//!   CUDA tensors (feature `cuda`) — so a quantized gather of CUDA tensors never takes
+//!   a round trip through host memory.
 //! - [`Store`]: a torchrun-style TCP rendezvous store (`MASTER_ADDR:MASTER_PORT`) on
 //!   `std::net`, for exchanging NCCL ids and for barriers between processes.
 //! - `nccl` (feature `cuda`): `NcclGroup`, the one-process-per-GPU backend over NCCL,
@@ -50,6 +54,7 @@ mod group;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 mod ops;
+pub mod packing;
 mod store;
 pub mod symmetric;
 mod thread;
@@ -60,8 +65,8 @@ pub use group::{Collective, ProcessGroup, ReduceOp};
 pub use nccl::{NcclGroup, NcclOptions};
 pub use ops::{
     Chunk1d, GroupAmaxReduction, MaybeQuantized, allreduce, gather_along_first_dim,
-    gather_along_first_dim_uneven, gather_split_1d_tensor, reduce_scatter_along_first_dim,
-    split_tensor_into_1d_equal_chunks,
+    gather_along_first_dim_uneven, gather_quantized, gather_split_1d_tensor,
+    reduce_scatter_along_first_dim, split_tensor_into_1d_equal_chunks,
 };
 pub use store::{DEFAULT_STORE_TIMEOUT, RendezvousEnv, Store, StoreServer};
 pub use symmetric::{MAX_SYMMETRIC_GPU_RANKS, SymmAlgo, SymmetricAllReduce, SymmetricOptions};

@@ -4,11 +4,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use tessera_core::{Error, Result, Shape, Tensor};
-use tessera_quant::wire::{self, Gather};
+use tessera_quant::wire::{self, CopyPlan, Gather, PartLayout, PlanInput};
 use tessera_quant::{AmaxReduction, BufferName, QuantizedTensor, Quantizer};
 
 use crate::Work;
 use crate::group::{Collective, ProcessGroup, ReduceOp};
+use crate::packing;
 
 /// A tensor in high precision or in a quantized format.
 #[derive(Debug, Clone)]
@@ -142,21 +143,26 @@ pub fn gather_along_first_dim(
     gather_quantized(quantized_input, group)
 }
 
-/// The generic quantized gather: pack, one coalesced group of all-gathers (the
-/// replicated metadata included, to check it), unpack in the post-processing.
-fn gather_quantized(
+/// The generic quantized gather of [`gather_along_first_dim`], at any world size (it has
+/// no world-size-1 shortcut, so it always runs the wire layout's pack and unpack): pack
+/// on the device `local` lives on, one coalesced group of all-gathers (the replicated
+/// metadata included, to check it), unpack on the group's device in the
+/// post-processing. CUDA tensors are packed and unpacked with device copies on the
+/// tessera stream ([`packing`](crate::packing)). A shard that cannot travel quantized
+/// (blocks would straddle ranks) is dequantized and gathered in high precision.
+pub fn gather_quantized(
     local: QuantizedTensor,
     group: &Arc<dyn ProcessGroup>,
 ) -> Result<Work<MaybeQuantized>> {
     let world = group.size();
     let device = group.device();
-    let packed = match wire::pack(&local) {
+    let packed = match packing::pack(&local) {
         Ok(p) => p,
         Err(e) => {
             tracing::warn!(error = %e, "quantized shard cannot travel quantized; gathering dequantized values");
             let plain = local.dequantize(local.source_dtype())?;
             return Ok(group
-                .all_gather(&plain)?
+                .all_gather(&plain.to_device(device)?)?
                 .then(|t| Ok(MaybeQuantized::Plain(t))));
         }
     };
@@ -192,7 +198,8 @@ fn gather_quantized(
             if i < n_gathered {
                 gathered.insert(name, t);
             } else {
-                // Every rank's copy of the per-tensor metadata must be the same.
+                // Every rank's copy of the per-tensor metadata must be the same (a few
+                // bytes read back; the collective has completed at this point).
                 let bytes = t.to_bytes()?;
                 let per = bytes.len() / world;
                 if let Some(r) = (1..world).find(|&r| bytes[r * per..][..per] != bytes[..per]) {
@@ -203,7 +210,7 @@ fn gather_quantized(
                 }
             }
         }
-        let out = wire::unpack(&local, world, gathered)?;
+        let out = packing::unpack(&local, world, &gathered)?;
         Ok(MaybeQuantized::Quantized(out.to_device(device)?))
     }))
 }
@@ -271,7 +278,8 @@ pub fn gather_along_first_dim_uneven(
         (MaybeQuantized::Quantized(qt), _) => qt.clone(),
     };
     let layout = wire::layout(&local)?;
-    let packed = wire::pack(&local)?;
+    let packed = packing::pack(&local)?;
+    let device = group.device();
     let mut ops = Vec::new();
     let mut plan = Vec::new();
     for (name, t) in &packed {
@@ -292,47 +300,47 @@ pub fn gather_along_first_dim_uneven(
             per_rank.iter().map(|v| v[0]).max().unwrap_or(0),
             per_rank.iter().map(|v| v[1]).max().unwrap_or(0),
         ];
-        let elem = t.dtype().size_in_bytes();
-        let padded = tessera_quant::layout::pad(
-            &t.to_bytes()?,
-            w.valid[0],
-            w.valid[1],
-            max[0],
-            max[1],
-            elem,
-        );
-        let input = Tensor::from_bytes(&padded, Shape::new(max), t.dtype(), group.device())?;
-        let output = Tensor::empty([world * max[0], max[1]], t.dtype(), group.device())?;
+        let t = t.to_device(device)?;
+        let pad = wire::pad_plan(*name, t.dtype(), w.valid, max);
+        let input = packing::execute(&pad, &[PlanInput::whole(&t)])?;
+        let output = Tensor::empty([world * max[0], max[1]], t.dtype(), device)?;
         ops.push(Collective::AllGather { input, output });
         plan.push((*name, t.dtype(), max, per_rank));
     }
     let rank_d0 = rank_d0.to_vec();
     Ok(group.run(ops)?.then(move |outputs| {
-        let mut parts = vec![BTreeMap::new(); world];
-        for ((name, dtype, max, per_rank), out) in plan.into_iter().zip(outputs) {
-            let elem = dtype.size_in_bytes();
-            let bytes = out.to_bytes()?;
-            let block = max[0] * max[1] * elem;
-            for (r, v) in per_rank.iter().enumerate() {
-                let valid = tessera_quant::layout::strip_padding(
-                    &bytes[r * block..][..block],
-                    max[1],
-                    v[0],
-                    v[1],
-                    elem,
-                );
-                parts[r].insert(
-                    name,
-                    Tensor::from_bytes(&valid, Shape::new(*v), dtype, tessera_core::Device::Cpu)?,
-                );
-            }
-        }
-        let out = wire::unpack_parts(&local, &parts, &rank_d0)?;
-        Ok(MaybeQuantized::Quantized(out.to_device(local.device())?))
+        // Rank r's part of buffer `name` is the top-left `per_rank[r]` of its padded
+        // `max` block in the gathered output: unpack reads it there, no stripping.
+        let gathered: BTreeMap<BufferName, Tensor> =
+            plan.iter().map(|(name, ..)| *name).zip(outputs).collect();
+        let unpack = wire::unpack_plans(&local, &rank_d0, &mut |r, w| {
+            let (_, dtype, max, per_rank) = plan
+                .iter()
+                .find(|(name, ..)| *name == w.name)
+                .ok_or_else(|| Error::state(OP, format!("`{}` was not gathered", w.name)))?;
+            Ok(PartLayout {
+                input: 0,
+                offset: r * max[0] * max[1] * dtype.size_in_bytes(),
+                dims: per_rank[r],
+                pitch: max[1],
+            })
+        })?;
+        let out = unpack.run(
+            &local,
+            &|name| {
+                gathered
+                    .get(&name)
+                    .map(|t| vec![PlanInput::whole(t)])
+                    .ok_or_else(|| Error::state(OP, format!("`{name}` was not gathered")))
+            },
+            &packing::execute,
+        )?;
+        Ok(MaybeQuantized::Quantized(out.to_device(device)?))
     }))
 }
 
-/// Plain uneven gather: pad to the largest shard, gather, drop the padding.
+/// Plain uneven gather: pad to the largest shard, gather, drop the padding — copy
+/// plans run where the tensors live.
 fn gather_plain_uneven(
     t: &Tensor,
     group: &Arc<dyn ProcessGroup>,
@@ -341,24 +349,36 @@ fn gather_plain_uneven(
     let max = rank_d0.iter().copied().max().unwrap_or(0);
     let d0 = t.shape().dims()[0];
     let row = t.size_in_bytes() / d0.max(1);
-    let mut bytes = t.to_bytes()?;
-    bytes.resize(max * row, 0);
     let mut dims = t.shape().dims().to_vec();
     dims[0] = max;
-    let padded = Tensor::from_bytes(&bytes, Shape::new(dims.clone()), t.dtype(), t.device())?;
+    let mut pad = CopyPlan {
+        name: BufferName::Data,
+        dtype: t.dtype(),
+        shape: Shape::new(dims.clone()),
+        zeroed: d0 != max,
+        steps: Vec::new(),
+    };
+    pad.push_strided(0, [0, d0 * row], [0, d0 * row], 1, d0 * row);
+    let t = t.to_device(group.device())?;
+    let padded = packing::execute(&pad, &[PlanInput::whole(&t)])?;
     let rank_d0 = rank_d0.to_vec();
     Ok(group.all_gather(&padded)?.then(move |all| {
-        let b = all.to_bytes()?;
-        let mut out = Vec::with_capacity(rank_d0.iter().sum::<usize>() * row);
-        for (r, &d) in rank_d0.iter().enumerate() {
-            out.extend_from_slice(&b[r * max * row..][..d * row]);
-        }
         dims[0] = rank_d0.iter().sum();
-        Ok(MaybeQuantized::Plain(Tensor::from_bytes(
-            &out,
-            Shape::new(dims),
-            all.dtype(),
-            all.device(),
+        let mut join = CopyPlan {
+            name: BufferName::Data,
+            dtype: all.dtype(),
+            shape: Shape::new(dims),
+            zeroed: false,
+            steps: Vec::new(),
+        };
+        let mut at = 0;
+        for (r, &d) in rank_d0.iter().enumerate() {
+            join.push_strided(0, [r * max * row, d * row], [at, d * row], 1, d * row);
+            at += d * row;
+        }
+        Ok(MaybeQuantized::Plain(packing::execute(
+            &join,
+            &[PlanInput::whole(&all)],
         )?))
     }))
 }
