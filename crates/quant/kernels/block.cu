@@ -4,143 +4,212 @@
 // Checked byte for byte against crates/quant/src/block.rs.
 #include "common.cuh"
 
-// One CTA per 128x128 tile (grid: ceil(m/128) x ceil(k/128), 256 threads = 8 warps).
-// Warp w owns rows 16w .. 16w+15 of the tile; lane l owns columns 4l .. 4l+3. Each
-// thread keeps its 64 values in registers.
+// Rowwise-only 1x128 blocks: a CTA of 256 threads covers 32 rows x 128 columns (grid:
+// ceil(m/32) x ceil(k/128)); thread t owns row t/8 and 16 columns of it, laid out as in
+// Tile128 (8 lanes load one contiguous 128-byte stretch per instruction); the block amax
+// reduces over the 8 lanes of the row. Few registers, no shared memory, no barrier.
 template <class T, bool E4M3>
+__device__ void block_row_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2,
+                               float eps, float value_for_inf, uint8_t* __restrict__ q_row,
+                               float* __restrict__ s_row, u64 s_row_cols) {
+    using Tl = Tile128<T>;
+    constexpr int V = Tl::V;
+    const int t = threadIdx.x, cg = t & 7;
+    const u64 r = (u64)blockIdx.x * 32 + (t >> 3), k0 = (u64)blockIdx.y * 128;
+    union {
+        uint4 u[Tl::L];
+        T e[16];
+    } d;
+    const bool vec = (k % V) == 0;
+#pragma unroll
+    for (int l = 0; l < Tl::L; ++l) {
+        const u64 c = k0 + l * 8 * V + cg * V;
+        if (vec && r < m && c + V <= k) {
+            d.u[l] = *reinterpret_cast<const uint4*>(x + r * k + c);
+        } else {
+            d.u[l] = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                if (r < m && c + j < k) d.e[l * V + j] = x[r * k + c + j];
+        }
+    }
+    float a = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) a = fmaxf(a, fabsf(In<T>::f32(d.e[j])));
+    a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
+    a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
+    a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 4));
+    if (r >= m) return;
+    const float s = scale_from_amax(a, fp8_max, pow2, eps, value_for_inf);
+    uint32_t w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const uint32_t lo = fp8x2<E4M3>(__fmul_rn(In<T>::f32(d.e[4 * q]), s), __fmul_rn(In<T>::f32(d.e[4 * q + 1]), s));
+        const uint32_t hi = fp8x2<E4M3>(__fmul_rn(In<T>::f32(d.e[4 * q + 2]), s), __fmul_rn(In<T>::f32(d.e[4 * q + 3]), s));
+        w[q] = lo | (hi << 16);
+    }
+#pragma unroll
+    for (int l = 0; l < Tl::L; ++l) store_run<V>(q_row, m, k, r, k0 + Tl::col(cg, l * V), &w[l * V / 4]);
+    if (cg == 0) s_row[blockIdx.y * s_row_cols + r] = __frcp_rn(s);
+}
+
+// One CTA per 128x128 tile (grid: ceil(m/128) x ceil(k/128), 256 threads), the tile held
+// in registers as Tile128 lays it out (16-byte loads, 4 rows x 16 columns per thread).
+// Row amaxes reduce over the 8 lanes of a row group, column amaxes in registers over a
+// thread's 4 rows, then over lanes and warps; the transposed (columnwise) bytes are packed
+// 4 rows to a word in registers and staged through a swizzled shared tile for 16-byte
+// stores.
+template <class T, bool E4M3, bool two_d>
 __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2,
-                           float eps, float value_for_inf, int two_d, uint8_t* __restrict__ q_row,
+                           float eps, float value_for_inf, uint8_t* __restrict__ q_row,
                            float* __restrict__ s_row, u64 s_row_cols, uint8_t* __restrict__ q_col,
                            float* __restrict__ s_col, u64 s_col_cols) {
+    using Tl = Tile128<T>;
+    constexpr int V = Tl::V;
+    __shared__ Transposed128<V> tr;
     __shared__ float colpart[8][128];
     __shared__ float colscale[128];
-    __shared__ float tilescale;
-    __shared__ float tileamax[4];
-    // Row pitch 129 bytes: lane l writes row 4l + j, and a pitch of an odd number of
-    // 4-byte words (4 * 129 bytes apart) puts the 32 lanes in 32 different banks; a
-    // multiple of 16 (the first version) put them all in 2 banks.
-    __shared__ uint8_t tr[128][129];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __shared__ float warpmax[8];
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, rg = t >> 3, cg = t & 7;
     const u64 m0 = (u64)blockIdx.x * 128, k0 = (u64)blockIdx.y * 128;
-    const int c0 = lane * 4;
-    float v[16][4];
-    float rowamax[16];
-    float cpart[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        const u64 r = m0 + warp * 16 + i;
-        float a = 0.0f;
-        if (r < m && k0 + c0 + 4 <= k && (k % 4) == 0) {
-            load4<T>(x + r * k + k0 + c0, v[i]);
-        } else {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const u64 c = k0 + c0 + j;
-                v[i][j] = (r < m && c < k) ? In<T>::f32(x[r * k + c]) : 0.0f;
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            a = fmaxf(a, fabsf(v[i][j]));
-            cpart[j] = fmaxf(cpart[j], fabsf(v[i][j]));
-        }
-        rowamax[i] = warp_max(a);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) colpart[warp][c0 + j] = cpart[j];
-    __syncthreads();
-    if (threadIdx.x < 128) {
-        float a = 0.0f;
-#pragma unroll
-        for (int w = 0; w < 8; ++w) a = fmaxf(a, colpart[w][threadIdx.x]);
-        colscale[threadIdx.x] = scale_from_amax(a, fp8_max, pow2, eps, value_for_inf);
-        if (two_d) {
-            // Tile amax: reduce the 128 column amaxes (warps 0-3) through shared memory.
-            a = warp_max(a);
-            if (lane == 0) tileamax[warp] = a;
-        }
-    }
-    __syncthreads();
-    if (two_d && threadIdx.x == 0) {
-        const float a = fmaxf(fmaxf(tileamax[0], tileamax[1]), fmaxf(tileamax[2], tileamax[3]));
-        tilescale = scale_from_amax(a, fp8_max, pow2, eps, value_for_inf);
-    }
-    __syncthreads();
     const u64 mb = blockIdx.x, kb = blockIdx.y;
-    if (two_d && threadIdx.x == 0) {
-        const float si = __frcp_rn(tilescale);
-        if (s_row != nullptr) s_row[mb * s_row_cols + kb] = si;
-        if (s_col != nullptr) s_col[kb * s_col_cols + mb] = si;
+    Tl x4;
+    x4.load(x, m, k, m0, k0, rg, cg);
+    // Row amaxes over the 16 columns of the thread, then the 8 lanes of the row group.
+    float ra[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float a = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) a = fmaxf(a, fabsf(x4.at(i, j)));
+        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
+        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
+        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 4));
+        ra[i] = a;
     }
-    // Rowwise bytes (and, in 2-D mode, the transposed tile from the same bytes).
+    float rs[4];  // the scale of each row (1-D) or of the tile (2-D)
+    if (two_d) {
+        float a = fmaxf(fmaxf(ra[0], ra[1]), fmaxf(ra[2], ra[3]));
+        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 8));
+        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 16));
+        if (lane == 0) warpmax[warp] = a;
+        __syncthreads();
+        a = warpmax[0];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        const int rt = warp * 16 + i;
-        const u64 r = m0 + rt;
-        const float scale = two_d ? tilescale : scale_from_amax(rowamax[i], fp8_max, pow2, eps, value_for_inf);
-        uint8_t b[4];
+        for (int w = 1; w < 8; ++w) a = fmaxf(a, warpmax[w]);
+        const float s = scale_from_amax(a, fp8_max, pow2, eps, value_for_inf);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) b[j] = fp8<E4M3>(__fmul_rn(v[i][j], scale));
-        if (q_row != nullptr && r < m) {
-            if (k0 + c0 + 4 <= k && (k % 4) == 0) {
-                *reinterpret_cast<uint32_t*>(q_row + r * k + k0 + c0) =
-                    b[0] | (b[1] << 8) | (b[2] << 16) | ((uint32_t)b[3] << 24);
-            } else {
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    if (k0 + c0 + j < k) q_row[r * k + k0 + c0 + j] = b[j];
-            }
-            if (!two_d && lane == 0) s_row[kb * s_row_cols + r] = __frcp_rn(scale);
+        for (int i = 0; i < 4; ++i) rs[i] = s;
+        if (t == 0) {
+            const float si = __frcp_rn(s);
+            if (s_row != nullptr) s_row[mb * s_row_cols + kb] = si;
+            if (s_col != nullptr) s_col[kb * s_col_cols + mb] = si;
         }
-        if (two_d) {
+    } else {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) tr[c0 + j][rt] = b[j];
+        for (int i = 0; i < 4; ++i) rs[i] = scale_from_amax(ra[i], fp8_max, pow2, eps, value_for_inf);
+    }
+    // Rowwise bytes (in 2-D mode also the transposed tile, which has the same bytes).
+    uint32_t wr[4][4];  // row i, word w: columns col(cg, 4w .. 4w+3)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const uint32_t lo = fp8x2<E4M3>(__fmul_rn(x4.at(i, 4 * w), rs[i]), __fmul_rn(x4.at(i, 4 * w + 1), rs[i]));
+            const uint32_t hi = fp8x2<E4M3>(__fmul_rn(x4.at(i, 4 * w + 2), rs[i]), __fmul_rn(x4.at(i, 4 * w + 3), rs[i]));
+            wr[i][w] = lo | (hi << 16);
+        }
+    }
+    if (q_row != nullptr) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u64 r = m0 + 4 * rg + i;
+#pragma unroll
+            for (int l = 0; l < Tl::L; ++l)
+                store_run<V>(q_row, m, k, r, k0 + Tl::col(cg, l * V), &wr[i][l * V / 4]);
+        }
+        if (!two_d) {
+            // Lane cg < 4 of a row group writes the scale of row 4*rg + cg.
+            const float a = cg == 0 ? rs[0] : cg == 1 ? rs[1] : cg == 2 ? rs[2] : rs[3];
+            const u64 r = m0 + 4 * rg + cg;
+            if (cg < 4 && r < m) s_row[kb * s_row_cols + r] = __frcp_rn(a);
         }
     }
     if (q_col == nullptr) return;
-    if (!two_d) {
-        // Columnwise 1-D: each column's own scale over the tile's 128 rows.
+    if (two_d) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const int rt = warp * 16 + i;
+        for (int w = 0; w < 4; ++w) {
+            const uint32_t in[4] = {wr[0][w], wr[1][w], wr[2][w], wr[3][w]};
+            uint32_t out[4];
+            transpose4x4(in, out);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) tr[c0 + j][rt] = fp8<E4M3>(__fmul_rn(v[i][j], colscale[c0 + j]));
+            for (int b = 0; b < 4; ++b) tr.put(Tl::col(cg, 4 * w + b), rg, out[b]);
         }
-        if (threadIdx.x < 128 && k0 + threadIdx.x < k)
-            s_col[mb * s_col_cols + k0 + threadIdx.x] = __frcp_rn(colscale[threadIdx.x]);
+    } else {
+        // Columnwise 1-D: each column's own scale over the tile's 128 rows.
+        float ca[16];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            float a = fmaxf(fmaxf(fabsf(x4.at(0, j)), fabsf(x4.at(1, j))),
+                            fmaxf(fabsf(x4.at(2, j)), fabsf(x4.at(3, j))));
+            a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 8));
+            a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 16));
+            ca[j] = a;
+        }
+        if (lane < 8) {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) colpart[warp][Tl::col(cg, j)] = ca[j];
+        }
+        __syncthreads();
+        if (t < 128) {
+            float a = colpart[0][t];
+#pragma unroll
+            for (int w = 1; w < 8; ++w) a = fmaxf(a, colpart[w][t]);
+            const float s = scale_from_amax(a, fp8_max, pow2, eps, value_for_inf);
+            colscale[t] = s;
+            if (k0 + t < k) s_col[mb * s_col_cols + k0 + t] = __frcp_rn(s);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int c = Tl::col(cg, j);
+            const float s = colscale[c];
+            const uint32_t lo = fp8x2<E4M3>(__fmul_rn(x4.at(0, j), s), __fmul_rn(x4.at(1, j), s));
+            const uint32_t hi = fp8x2<E4M3>(__fmul_rn(x4.at(2, j), s), __fmul_rn(x4.at(3, j), s));
+            tr.put(c, rg, lo | (hi << 16));
+        }
     }
     __syncthreads();
-    // Write the transposed tile: qt is [k, m]; row c of the tile covers m0 .. m0+127.
-    // 16 consecutive bytes of a row per thread when m allows 16-byte stores.
-    if ((m % 16) == 0) {
-        for (int idx = threadIdx.x; idx < 128 * 8; idx += blockDim.x) {
-            const int c = idx / 8, rt = (idx % 8) * 16;
-            const u64 gk = k0 + c, gm = m0 + rt;
-            if (gk >= k || gm >= m) continue;
-            uint4 w;
-            uint32_t* wp = reinterpret_cast<uint32_t*>(&w);
-#pragma unroll
-            for (int q4 = 0; q4 < 4; ++q4)
-                wp[q4] = tr[c][rt + 4 * q4] | (tr[c][rt + 4 * q4 + 1] << 8) |
-                         (tr[c][rt + 4 * q4 + 2] << 16) | ((uint32_t)tr[c][rt + 4 * q4 + 3] << 24);
-            *reinterpret_cast<uint4*>(q_col + gk * m + gm) = w;
-        }
-        return;
-    }
-    for (int idx = threadIdx.x; idx < 128 * 128; idx += blockDim.x) {
-        const int c = idx / 128, rt = idx % 128;
-        const u64 gk = k0 + c, gm = m0 + rt;
-        if (gk < k && gm < m) q_col[gk * m + gm] = tr[c][rt];
-    }
+    tr.store(q_col, m, k, m0, k0);
 }
 
+// Three entry points with their own register budgets: rowwise-only 1x128 blocks
+// (`_row_`), 1-D blocks with a columnwise operand (`_1d_`, 128x128 tiles), and 128x128
+// tiles (`_2d_`). They share one parameter list; `two_d` is implied by the name.
 #define BLOCK_KERNEL(SUFFIX, T, FMT, E4M3)                                                     \
-    extern "C" __global__ void __launch_bounds__(256) tessera_fp8_block_##SUFFIX##_##FMT(      \
-        const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,             \
-        float value_for_inf, int two_d, uint8_t* q_row, float* s_row, u64 s_row_cols,          \
-        uint8_t* q_col, float* s_col, u64 s_col_cols) {                                        \
-        block_impl<T, E4M3>(x, m, k, fp8_max, pow2, eps, value_for_inf, two_d, q_row, s_row,   \
-                            s_row_cols, q_col, s_col, s_col_cols);                             \
+    extern "C" __global__ void __launch_bounds__(256, TQ_MINB_BLOCK_ROW)                      \
+        tessera_fp8_block_row_##SUFFIX##_##FMT(                                                \
+            const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,         \
+            float value_for_inf, int two_d, uint8_t* q_row, float* s_row, u64 s_row_cols,      \
+            uint8_t* q_col, float* s_col, u64 s_col_cols) {                                    \
+        block_row_impl<T, E4M3>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,     \
+                                s_row_cols);                                                   \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, TQ_MINB_BLOCK_1D)                       \
+        tessera_fp8_block_1d_##SUFFIX##_##FMT(                                                 \
+            const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,         \
+            float value_for_inf, int two_d, uint8_t* q_row, float* s_row, u64 s_row_cols,      \
+            uint8_t* q_col, float* s_col, u64 s_col_cols) {                                    \
+        block_impl<T, E4M3, false>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,  \
+                                   s_row_cols, q_col, s_col, s_col_cols);                      \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, TQ_MINB_BLOCK_2D)                       \
+        tessera_fp8_block_2d_##SUFFIX##_##FMT(                                                 \
+            const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,         \
+            float value_for_inf, int two_d, uint8_t* q_row, float* s_row, u64 s_row_cols,      \
+            uint8_t* q_col, float* s_col, u64 s_col_cols) {                                    \
+        block_impl<T, E4M3, true>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,   \
+                                  s_row_cols, q_col, s_col, s_col_cols);                       \
     }
 BLOCK_KERNEL(f32, float, e4m3, true)
 BLOCK_KERNEL(f32, float, e5m2, false)

@@ -7,6 +7,28 @@
 
 typedef unsigned long long u64;
 
+// Minimum resident CTAs per multiprocessor asked of the compiler (the second
+// __launch_bounds__ argument) for the register-tile kernels; bench/cuda/quant_variants.cu
+// overrides them to compare register budgets. On an H200 the 128x128 cast-transpose ran
+// at 0.90 of a copy with 80 registers (3 CTAs per SM) and the FP8 block tiles at
+// 0.56-0.62 with 128 (2 CTAs); capping the shared all-modes kernels at 80 or 64
+// registers spilled and ran slower, hence one entry point per mode.
+#ifndef TQ_MINB_TILE
+#define TQ_MINB_TILE 1
+#endif
+#ifndef TQ_MINB_BLOCK_ROW
+#define TQ_MINB_BLOCK_ROW 1
+#endif
+#ifndef TQ_MINB_BLOCK_1D
+#define TQ_MINB_BLOCK_1D 3
+#endif
+#ifndef TQ_MINB_BLOCK_2D
+#define TQ_MINB_BLOCK_2D 3
+#endif
+#ifndef TQ_MINB_MXFP8
+#define TQ_MINB_MXFP8 3
+#endif
+
 // ---- input element types -------------------------------------------------------------
 
 template <class T> struct In;
@@ -155,4 +177,106 @@ template <bool E4M3> __device__ __forceinline__ uint4 fp8x16(const float* v, flo
 #pragma unroll
     for (int j = 0; j < 8; ++j) o.h[j] = fp8x2<E4M3>(__fmul_rn(v[2 * j], s), __fmul_rn(v[2 * j + 1], s));
     return o.u;
+}
+
+// ---- 128x128 tiles held in registers ---------------------------------------------------
+//
+// A CTA of 256 threads holds a 128x128 tile of the input: thread t owns the 4 consecutive
+// rows 4*(t/8) .. +3 and, in each of them, 16 columns made of L = 16/V runs of V elements
+// (V = elements per 16-byte vector): run l covers columns l*8V + (t%8)*V .. +V. The 8
+// threads of a row group load one contiguous 8V-element (128-byte) stretch per
+// instruction, so every 16-byte load and every store of a row is fully coalesced.
+template <class T> struct Tile128 {
+    static constexpr int V = 16 / (int)sizeof(T);  // elements per 16-byte vector
+    static constexpr int L = 16 / V;               // vectors per row and thread
+    union {
+        uint4 u[4][L];
+        T e[4][16];
+    } d;
+
+    // Tile column of element j (0..15) of column group cg.
+    __device__ static int col(int cg, int j) { return (j / V) * 8 * V + cg * V + j % V; }
+
+    __device__ float at(int i, int j) const { return In<T>::f32(d.e[i][j]); }
+
+    // Loads rows m0 + 4*rg .. +3 of x [m, k] (columns from k0); zeros outside the matrix.
+    __device__ void load(const T* __restrict__ x, u64 m, u64 k, u64 m0, u64 k0, int rg, int cg) {
+        const bool vec = (k % V) == 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u64 r = m0 + 4 * rg + i;
+#pragma unroll
+            for (int l = 0; l < L; ++l) {
+                const u64 c = k0 + l * 8 * V + cg * V;
+                if (vec && r < m && c + V <= k) {
+                    d.u[i][l] = *reinterpret_cast<const uint4*>(x + r * k + c);
+                } else {
+                    d.u[i][l] = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+                    for (int j = 0; j < V; ++j)
+                        if (r < m && c + j < k) d.e[i][l * V + j] = x[r * k + c + j];
+                }
+            }
+        }
+    }
+};
+
+// 4x4 byte transpose: out[b] byte i = in[i] byte b.
+__device__ __forceinline__ void transpose4x4(const uint32_t* in, uint32_t* out) {
+    const uint32_t t0 = __byte_perm(in[0], in[1], 0x5140), t1 = __byte_perm(in[2], in[3], 0x5140);
+    const uint32_t t2 = __byte_perm(in[0], in[1], 0x7362), t3 = __byte_perm(in[2], in[3], 0x7362);
+    out[0] = __byte_perm(t0, t1, 0x5410);
+    out[1] = __byte_perm(t0, t1, 0x7632);
+    out[2] = __byte_perm(t2, t3, 0x5410);
+    out[3] = __byte_perm(t2, t3, 0x7632);
+}
+
+// Shared staging of a transposed 128x128 byte tile: row c (a column of the input tile)
+// holds 32 words, word g packing input rows 4g .. 4g+3. Word g of row c is stored at
+// g ^ swz(c), which keeps each aligned group of 4 words together (16-byte reads) and
+// spreads the 32 lanes of a warp's word stores over 32 banks.
+template <int V> struct Transposed128 {
+    uint32_t w[128][32];
+    __device__ static int swz(int c) { return ((c / V) & 7) << 2; }
+    __device__ void put(int c, int g, uint32_t v) { w[c][g ^ swz(c)] = v; }
+    // Writes the staged tile to qt [k, m] at (k0, m0): 16 bytes per thread and step.
+    __device__ void store(uint8_t* __restrict__ qt, u64 m, u64 k, u64 m0, u64 k0) const {
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const int idx = threadIdx.x + 256 * p;
+            const int c = idx / 8, q = idx % 8;
+            const u64 gk = k0 + c, gm = m0 + 16 * q;
+            if (gk >= k || gm >= m) continue;
+            const uint4 v = *reinterpret_cast<const uint4*>(&w[c][(4 * q) ^ swz(c)]);
+            if ((m % 16) == 0) {
+                *reinterpret_cast<uint4*>(qt + gk * m + gm) = v;
+            } else {
+                const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int b = 0; b < 16; ++b)
+                    if (gm + b < m) qt[gk * m + gm + b] = (uint8_t)(ws[b / 4] >> (8 * (b % 4)));
+            }
+        }
+    }
+};
+
+// Stores the bytes of row r, element run l (V bytes, packed little-endian in `w`, V/4
+// words) of a 128x128 tile at q [m, k], column c (vector store when aligned).
+template <int V>
+__device__ __forceinline__ void store_run(uint8_t* __restrict__ q, u64 m, u64 k, u64 r, u64 c,
+                                          const uint32_t* w) {
+    if (r >= m) return;
+    if ((k % V) == 0 && c + V <= k) {
+        if constexpr (V == 8) {
+            *reinterpret_cast<uint2*>(q + r * k + c) = make_uint2(w[0], w[1]);
+        } else if constexpr (V == 4) {
+            *reinterpret_cast<uint32_t*>(q + r * k + c) = w[0];
+        } else {
+            *reinterpret_cast<uint16_t*>(q + r * k + c) = (uint16_t)w[0];
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            if (c + j < k) q[r * k + c + j] = (uint8_t)(w[j / 4] >> (8 * (j % 4)));
+    }
 }

@@ -82,71 +82,63 @@ __device__ void cast_impl(const T* __restrict__ x, uint8_t* __restrict__ q, u64 
     }
 }
 
-// Rowwise + columnwise (transposed) cast of an [m, k] matrix through a 64x64 shared tile.
-// Grid: (ceil(m/64), ceil(k/64)); 256 threads. `q` and/or `qt` may be null.
+// Rowwise + columnwise (transposed) cast of an [m, k] matrix, one 128x128 tile per CTA
+// (grid: ceil(m/128) x ceil(k/128), 256 threads) held in registers as Tile128 lays it out;
+// the transposed bytes are packed 4 rows to a word and staged through a swizzled shared
+// tile for 16-byte stores. `q` may be null.
 template <class T, bool E4M3>
 __device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict__ q,
                                     uint8_t* __restrict__ qt, u64 m, u64 k,
                                     const float* __restrict__ scale_ptr,
                                     float* __restrict__ scale_inv, float* __restrict__ amax) {
-    __shared__ uint8_t tile[64][64 + 4];
+    using Tl = Tile128<T>;
+    constexpr int V = Tl::V;
+    __shared__ Transposed128<V> tr;
     __shared__ float smem[32];
+    const int t = threadIdx.x, rg = t >> 3, cg = t & 7;
     const float scale = scale_ptr[0];
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) scale_inv[0] = __frcp_rn(scale);
-    const u64 m0 = (u64)blockIdx.x * 64, k0 = (u64)blockIdx.y * 64;
+    if (blockIdx.x == 0 && blockIdx.y == 0 && t == 0) scale_inv[0] = __frcp_rn(scale);
+    const u64 m0 = (u64)blockIdx.x * 128, k0 = (u64)blockIdx.y * 128;
+    Tl x4;
+    x4.load(x, m, k, m0, k0, rg, cg);
     float mx = 0.0f;
-    // Load and cast: thread t handles 4 consecutive columns of 4 rows.
-    for (int idx = threadIdx.x; idx < 64 * 16; idx += blockDim.x) {
-        const int r = idx / 16, c = (idx % 16) * 4;
-        const u64 gm = m0 + r, gk = k0 + c;
-        uint8_t b[4] = {0, 0, 0, 0};
-        if (gm < m && gk + 4 <= k && (k % 4) == 0) {
-            // Fast path: one 4-element vector load, one 4-byte store.
-            float a[4];
-            load4<T>(x + gm * k + gk, a);
+    uint32_t wr[4][4];  // row i, word w: columns col(cg, 4w .. 4w+3)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                mx = fmaxf(mx, fabsf(a[j]));
-                b[j] = fp8<E4M3>(a[j] * scale);
-            }
-            if (q != nullptr)
-                *reinterpret_cast<uint32_t*>(q + gm * k + gk) =
-                    b[0] | (b[1] << 8) | (b[2] << 16) | ((uint32_t)b[3] << 24);
-        } else if (gm < m) {
+    for (int i = 0; i < 4; ++i) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                if (gk + j < k) {
-                    const float a = In<T>::f32(x[gm * k + gk + j]);
-                    mx = fmaxf(mx, fabsf(a));
-                    b[j] = fp8<E4M3>(a * scale);
-                    if (q != nullptr) q[gm * k + gk + j] = b[j];
-                }
+        for (int w = 0; w < 4; ++w) {
+            float v[4];
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                v[b] = x4.at(i, 4 * w + b);
+                mx = fmaxf(mx, fabsf(v[b]));
             }
+            const uint32_t lo = fp8x2<E4M3>(v[0] * scale, v[1] * scale);
+            const uint32_t hi = fp8x2<E4M3>(v[2] * scale, v[3] * scale);
+            wr[i][w] = lo | (hi << 16);
         }
+    }
+    if (q != nullptr) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) tile[r][c + j] = b[j];
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int l = 0; l < Tl::L; ++l)
+                store_run<V>(q, m, k, m0 + 4 * rg + i, k0 + Tl::col(cg, l * V), &wr[i][l * V / 4]);
+        }
+    }
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        const uint32_t in[4] = {wr[0][w], wr[1][w], wr[2][w], wr[3][w]};
+        uint32_t out[4];
+        transpose4x4(in, out);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) tr.put(Tl::col(cg, 4 * w + b), rg, out[b]);
     }
     __syncthreads();
-    if (qt != nullptr) {
-        // Write the transpose: row c of qt (a column of x) gets 4 consecutive m.
-        for (int idx = threadIdx.x; idx < 64 * 16; idx += blockDim.x) {
-            const int c = idx / 16, r = (idx % 16) * 4;
-            const u64 gk = k0 + c, gm = m0 + r;
-            if (gk >= k) continue;
-            if (gm + 4 <= m && (m % 4) == 0) {
-                *reinterpret_cast<uint32_t*>(qt + gk * m + gm) =
-                    tile[r][c] | (tile[r + 1][c] << 8) | (tile[r + 2][c] << 16) |
-                    ((uint32_t)tile[r + 3][c] << 24);
-                continue;
-            }
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-                if (gm + j < m) qt[gk * m + gm + j] = tile[r + j][c];
-        }
-    }
+    tr.store(qt, m, k, m0, k0);
     if (amax != nullptr) {
         mx = block_max(mx, smem);
-        if (threadIdx.x == 0) atomic_max_nonneg(amax, mx);
+        if (t == 0) atomic_max_nonneg(amax, mx);
     }
 }
 
@@ -156,7 +148,7 @@ __device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict
         float* scale_inv, float* amax) {                                                       \
         cast_impl<T, E4M3>(x, q, n, scale, scale_inv, amax);                                   \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256)                                         \
+    extern "C" __global__ void __launch_bounds__(256, TQ_MINB_TILE)                          \
         tessera_fp8_cast_transpose_##SUFFIX##_##FMT(const T* __restrict__ x, uint8_t* q,      \
                                                     uint8_t* qt, u64 m, u64 k,                 \
                                                     const float* scale, float* scale_inv,     \

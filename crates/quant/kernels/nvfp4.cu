@@ -36,16 +36,20 @@ __device__ __forceinline__ uint32_t random_byte(uint4 r, int j) {
 
 // ---- E2M1 -----------------------------------------------------------------------------
 
-// RNE, satfinite to +-6, NaN -> 7 (+6), sign of zero kept.
+// RNE, satfinite to +-6, NaN -> 7 (+6), sign of zero kept. On the float32 bits, no
+// comparisons chain: from 1 up, the code is the exponent and the top mantissa bit after
+// rounding the mantissa to one bit (nearest even) on the integer bits, capped at 7 (which
+// also catches Inf and NaN); below 1 it is rne(2|x|), which one exact float32 addition
+// of 2^22 (whose ulp is 0.5) computes. Checked against the threshold count
+// (> 0.25, >= 0.75, > 1.25, >= 1.75, > 2.5, >= 3.5, > 5) on all 2^32 inputs.
 __device__ __forceinline__ uint32_t e2m1(float x) {
-    if (isnan(x)) return 7u;
-    const uint32_t s = signbit(x) ? 8u : 0u;
-    const float a = fabsf(x);
-    // Branch-free: the code is the number of rounding thresholds a is past (ties go to
-    // the even code: > at 0.25, 1.25, 2.5, 5; >= at 0.75, 1.75, 3.5).
-    const uint32_t c = (uint32_t)(a > 0.25f) + (uint32_t)(a >= 0.75f) + (uint32_t)(a > 1.25f) +
-                       (uint32_t)(a >= 1.75f) + (uint32_t)(a > 2.5f) + (uint32_t)(a >= 3.5f) +
-                       (uint32_t)(a > 5.0f);
+    const uint32_t xb = __float_as_uint(x);
+    const uint32_t ab = xb & 0x7FFFFFFFu;
+    const uint32_t rb = ab + 0x1FFFFFu + ((ab >> 22) & 1u);
+    const uint32_t big = min((rb >> 22) - 252u, 7u);
+    const uint32_t small = __float_as_uint(__fadd_rn(__uint_as_float(ab), 4194304.0f)) - 0x4A800000u;
+    const uint32_t c = ab < 0x3F800000u ? small : big;
+    const uint32_t s = ab <= 0x7F800000u ? ((xb >> 28) & 8u) : 0u;
     return s | c;
 }
 
@@ -171,19 +175,22 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
     }
     float bamax = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        tile[r][c0 + j] = v[j];
-        bamax = fmaxf(bamax, fabsf(v[j]));
+    for (int j = 0; j < 16; ++j) bamax = fmaxf(bamax, fabsf(v[j]));
+    // The shared tile serves the columnwise view, the block amaxes the 16x16 tiles; a
+    // rowwise 1-D quantization needs neither (and no barrier).
+    if (a.q_col != nullptr) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) tile[r][c0 + j] = v[j];
     }
-    blk[r][t % 4] = bamax;
-    __syncthreads();
+    if (a.two_d) blk[r][t % 4] = bamax;
+    if (a.q_col != nullptr || a.two_d) __syncthreads();
     if (a.two_d && t < 16) {
         const int ti = t / 4, tj = t % 4;
         float mx = 0.0f;
         for (int rr = ti * 16; rr < ti * 16 + 16; ++rr) mx = fmaxf(mx, blk[rr][tj]);
         tmax[ti][tj] = mx;
     }
-    __syncthreads();
+    if (a.two_d) __syncthreads();
     if (a.q_row != nullptr && rvalid) {
         const float A = a.amax_row[0];
         const float s_enc = global_encode_scale(A);

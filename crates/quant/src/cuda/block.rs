@@ -23,17 +23,29 @@ pub(crate) fn quantize_into(
     const OP: &str = "cuda fp8 block quantize";
     let (m, k) = check_input(OP, x)?;
     let dev = device_of(x)?;
+    // One kernel per mode (kernels/block.cu): rowwise-only 1x128 blocks on 32x128 tiles,
+    // 1-D blocks with a columnwise operand and 128x128 blocks on 128x128 tiles.
+    let (mode, tile_rows) = match (dim, out.usage().columnwise()) {
+        (BlockDim::TwoD, _) => ("2d", 128),
+        (BlockDim::OneD, true) => ("1d", 128),
+        (BlockDim::OneD, false) => ("row", 32),
+    };
     let f = dev.function(
         &BLOCK_PTX,
         &format!(
-            "tessera_fp8_block_{}_{}",
+            "tessera_fp8_block_{mode}_{}_{}",
             dtype_suffix(OP, x.dtype())?,
             format_suffix(p.format)
         ),
     )?;
-    let mut o = Outputs::take(&dev, out, OP)?;
+    let (mb, kb) = (m.div_ceil(128), k.div_ceil(128));
+    let valid = match dim {
+        BlockDim::OneD => [[kb, m], [mb, k]],
+        BlockDim::TwoD => [[mb, kb], [kb, mb]],
+    };
+    let mut o = Outputs::take(&dev, out, OP, valid)?;
     let (s_row_cols, s_col_cols) = (Outputs::dims(&o.s_row)[1], Outputs::dims(&o.s_col)[1]);
-    let cfg = tile_grid(OP, m, k, 128, 128)?;
+    let cfg = tile_grid(OP, m, k, tile_rows, 128)?;
     let (mu, ku) = (m as u64, k as u64);
     let (fp8_max, pow2, eps, vfi, two_d) = (
         p.format.max(),

@@ -4,7 +4,7 @@ use cudarc::driver::PushKernelArg;
 use tessera_core::cuda::{CudaDevice, grid_1d};
 use tessera_core::{DType, Device, Result, Tensor};
 
-use super::{BLOCK, FP8_PTX, device_of, dtype_suffix, format_suffix, launch, tiles_64};
+use super::{BLOCK, FP8_PTX, device_of, dtype_suffix, format_suffix, launch, tile_grid};
 use crate::values::check_input;
 use crate::{BufferName, Fp8Format, QuantizedTensor};
 
@@ -93,7 +93,7 @@ pub(crate) fn cast_into(
         };
         let mut qt = out.take_buffer(BufferName::ColumnwiseData)?;
         let f = dev.function(&FP8_PTX, &format!("tessera_fp8_cast_transpose_{sfx}_{fmt}"))?;
-        let cfg = tiles_64(m, k)?;
+        let cfg = tile_grid(OP, m, k, 128, 128)?;
         let (mu, ku) = (m as u64, k as u64);
         {
             let qs = match q.as_mut() {

@@ -23,18 +23,25 @@ pub(crate) fn quantize_into(
     const OP: &str = "cuda mxfp8 quantize";
     let (m, k) = check_input(OP, x)?;
     let dev = device_of(x)?;
+    // One kernel per mode (kernels/mxfp8.cu): rowwise-only 1-D on 32x128 CTA tiles, 1-D
+    // with a columnwise operand and 32x32 tiles on warp tiles (64x256 per CTA).
+    let (mode, tm, tk) = match (two_d, out.usage().columnwise()) {
+        (true, _) => ("2d_", 64, 256),
+        (false, true) => ("", 64, 256),
+        (false, false) => ("row_", 32, 128),
+    };
     let f = dev.function(
         &MXFP8_PTX,
         &format!(
-            "tessera_mxfp8_{}_{}",
+            "tessera_mxfp8_{mode}{}_{}",
             dtype_suffix(OP, x.dtype())?,
             format_suffix(format)
         ),
     )?;
-    let mut o = Outputs::take(&dev, out, OP)?;
+    let mut o = Outputs::take(&dev, out, OP, [[m, k / 32], [m / 32, k]])?;
     let s_row_cols = Outputs::dims(&o.s_row)[1];
     let [s_col_rows, s_col_cols] = Outputs::dims(&o.s_col);
-    let cfg = tile_grid(OP, m, k, 32, 128)?;
+    let cfg = tile_grid(OP, m, k, tm, tk)?;
     let (mu, ku) = (m as u64, k as u64);
     let (two_d, swz) = (i32::from(two_d), i32::from(swizzled));
     let max_rcp = format.max_rcp();

@@ -114,7 +114,7 @@ pub(crate) fn quantize_into(
             off_col = g.advance((m * k).div_ceil(4)).offset;
         }
     }
-    let o = Outputs::take(&dev, out, OP)?;
+    let o = Outputs::take(&dev, out, OP, [[m, k / 16], [k, m / 16]])?;
     let (q_row, s_row, q_col, s_col) = (&o.q_row, &o.s_row, &o.q_col, &o.s_col);
     let p = |t: &Option<Tensor>| t.as_ref().map_or(Ok(0), |t| addr(&dev, t));
     let cols = |t: &Option<Tensor>| t.as_ref().map_or(0, |t| t.shape().dims()[1] as u64);

@@ -1,0 +1,230 @@
+// Register-budget and tile-shape experiments for the tessera-quant kernels (not shipped).
+// Build one executable per variant, with the kernels directory on the include path:
+//   nvcc -O3 -arch=sm_90 -std=c++17 -I crates/quant/kernels -DTQ_MINB_BLOCK_2D=4 \
+//        bench/cuda/quant_variants.cu -o qv
+// (-DOLD_KERNELS with the include path of the previous kernels launches their grids.)
+// On bf16 16384x8192 it prints each kernel's time, GB/s (input read + outputs written)
+// and ratio to cudaMemcpy, and an FNV-1a hash of every output, so variants (and old
+// against new kernels, which must agree byte for byte) can be compared.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "block.cu"
+#include "fp8.cu"
+#include "mxfp8.cu"
+#include "nvfp4.cu"
+
+#define CK(x)                                                                          \
+    do {                                                                               \
+        cudaError_t e = (x);                                                           \
+        if (e != cudaSuccess) {                                                        \
+            std::printf("CUDA error %s at line %d\n", cudaGetErrorString(e), __LINE__); \
+            std::exit(1);                                                              \
+        }                                                                              \
+    } while (0)
+
+static const u64 M = 16384, K = 8192;
+
+template <class F> static float time_ms(F launch) {
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    for (int i = 0; i < 3; ++i) launch();
+    std::vector<float> t;
+    for (int s = 0; s < 15; ++s) {
+        CK(cudaEventRecord(a));
+        for (int i = 0; i < 10; ++i) launch();
+        CK(cudaEventRecord(b));
+        CK(cudaEventSynchronize(b));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        t.push_back(ms / 10);
+    }
+    CK(cudaGetLastError());
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+}
+
+static uint64_t fnv(const void* d, size_t n) {
+    std::vector<uint8_t> h(n);
+    CK(cudaMemcpy(h.data(), d, n, cudaMemcpyDeviceToHost));
+    uint64_t x = 1469598103934665603ull;
+    for (uint8_t b : h) x = (x ^ b) * 1099511628211ull;
+    return x;
+}
+
+static double copy_gbs;
+
+static void report(const char* name, float ms, double bytes, std::vector<std::pair<const void*, size_t>> outs) {
+    const double gbs = bytes / ms / 1e6;
+    std::printf("%-34s %8.4f ms %8.1f GB/s %6.3f of copy  hash", name, ms, gbs, gbs / copy_gbs);
+    for (auto& o : outs) std::printf(" %016llx", (unsigned long long)fnv(o.first, o.second));
+    std::printf("\n");
+}
+
+int main() {
+    const u64 n = M * K;
+    std::vector<uint16_t> h(n);
+    uint64_t s = 12345;
+    for (u64 i = 0; i < n; ++i) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        const uint32_t r = (uint32_t)(s >> 32);
+        uint16_t exp = (uint16_t)(127 - 20 + ((i / 64) * 7 % 41));  // magnitudes 2^-20 .. 2^20
+        uint16_t b = (uint16_t)((r & 0x8000) | (exp << 7) | (r & 0x7F));
+        if (r % 997 == 0) b = (r & 0x10000) ? 0x7FC0 : 0xFF80;  // NaN, -Inf
+        if (r % 1009 == 0) b = 0;
+        h[i] = b;
+    }
+    __nv_bfloat16* x;
+    uint8_t *q, *qt, *tmp;
+    float *sr, *sc, *scale, *sinv, *amax;
+    CK(cudaMalloc(&x, n * 2));
+    CK(cudaMalloc(&tmp, n * 2));
+    CK(cudaMalloc(&q, n));
+    CK(cudaMalloc(&qt, n));
+    CK(cudaMalloc(&sr, n / 8));
+    CK(cudaMalloc(&sc, n / 8));
+    CK(cudaMalloc(&scale, 4));
+    CK(cudaMalloc(&sinv, 4));
+    CK(cudaMalloc(&amax, 4));
+    CK(cudaMemcpy(x, h.data(), n * 2, cudaMemcpyHostToDevice));
+    const float sv = 3.0f;
+    CK(cudaMemcpy(scale, &sv, 4, cudaMemcpyHostToDevice));
+    int dev;
+    CK(cudaGetDevice(&dev));
+    cudaDeviceProp p;
+    CK(cudaGetDeviceProperties(&p, dev));
+#ifdef OLD_KERNELS
+    std::printf("%s, %d SMs; previous kernels\n", p.name, p.multiProcessorCount);
+#else
+    std::printf("%s, %d SMs; TQ_MINB_TILE=%d BLOCK_ROW=%d BLOCK_1D=%d BLOCK_2D=%d MXFP8=%d\n", p.name,
+                p.multiProcessorCount, TQ_MINB_TILE, TQ_MINB_BLOCK_ROW, TQ_MINB_BLOCK_1D, TQ_MINB_BLOCK_2D,
+                TQ_MINB_MXFP8);
+#endif
+    const float ms_copy = time_ms([&] { CK(cudaMemcpyAsync(tmp, x, n * 2, cudaMemcpyDeviceToDevice)); });
+    copy_gbs = 4.0 * n / ms_copy / 1e6;
+    std::printf("%-34s %8.4f ms %8.1f GB/s\n", "cudaMemcpy d2d", ms_copy, copy_gbs);
+    const double in = 2.0 * n;
+    auto clear = [&] {
+        CK(cudaMemset(q, 0, n));
+        CK(cudaMemset(qt, 0, n));
+        CK(cudaMemset(sr, 0, n / 8));
+        CK(cudaMemset(sc, 0, n / 8));
+    };
+
+    // FP8 block scaling.
+#ifdef OLD_KERNELS
+    const dim3 gb(M / 128, K / 128);
+#else
+    const dim3 gb(M / 128, K / 128);
+#endif
+    for (int two_d = 0; two_d < 2; ++two_d) {
+        for (int both = 0; both < 2; ++both) {
+            clear();
+            const u64 src = two_d ? K / 128 : M, scc = two_d ? M / 128 : K;
+            const float ms = time_ms([&] {
+#ifdef OLD_KERNELS
+                tessera_fp8_block_bf16_e4m3<<<gb, 256>>>(x, M, K, 448.0f, 1, 0.0f, 3.4e38f, two_d, q, sr, src,
+                                                         both ? qt : nullptr, both ? sc : nullptr, scc);
+#else
+                if (two_d)
+                    tessera_fp8_block_2d_bf16_e4m3<<<gb, 256>>>(x, M, K, 448.0f, 1, 0.0f, 3.4e38f, two_d, q, sr, src,
+                                                                both ? qt : nullptr, both ? sc : nullptr, scc);
+                else if (both)
+                    tessera_fp8_block_1d_bf16_e4m3<<<gb, 256>>>(x, M, K, 448.0f, 1, 0.0f, 3.4e38f, two_d, q, sr, src,
+                                                                qt, sc, scc);
+                else
+                    tessera_fp8_block_row_bf16_e4m3<<<dim3(M / 32, K / 128), 256>>>(
+                        x, M, K, 448.0f, 1, 0.0f, 3.4e38f, two_d, q, sr, src, nullptr, nullptr, scc);
+#endif
+            });
+            const double sb = two_d ? (M / 128) * (K / 128) * 4.0 : n / 128 * 4.0;
+            char name[64];
+            std::snprintf(name, sizeof name, "fp8 block %s %s", two_d ? "128x128" : "1x128", both ? "both" : "rowwise");
+            report(name, ms, in + (both ? 2 : 1) * (n + sb),
+                   {{q, n}, {sr, (size_t)sb}, {qt, both ? n : 0}, {sc, both ? (size_t)sb : 0}});
+        }
+    }
+
+    // FP8 per-tensor cast-transpose.
+    {
+        clear();
+#ifdef OLD_KERNELS
+        const dim3 g(M / 64, K / 64);
+#else
+        const dim3 g(M / 128, K / 128);
+#endif
+        const float ms = time_ms([&] {
+            tessera_fp8_cast_transpose_bf16_e4m3<<<g, 256>>>(x, q, qt, M, K, scale, sinv, nullptr);
+        });
+        report("fp8 cast both", ms, in + 2.0 * n, {{q, n}, {qt, n}});
+        CK(cudaMemset(amax, 0, 4));
+        const float ms2 = time_ms([&] {
+            tessera_fp8_cast_transpose_bf16_e4m3<<<g, 256>>>(x, q, qt, M, K, scale, sinv, amax);
+        });
+        report("fp8 cast both + amax", ms2, in + 2.0 * n, {{q, n}, {qt, n}, {amax, 4}});
+        const int blocks = (int)std::min<u64>(n / 16 / 256, 4ull * p.multiProcessorCount * 8);
+        const float ms3 = time_ms([&] { tessera_fp8_cast_bf16_e4m3<<<blocks, 256>>>(x, q, n, scale, sinv, amax); });
+        report("fp8 cast rowwise + amax", ms3, in + n, {{q, n}});
+    }
+
+    // MXFP8.
+    for (int two_d = 0; two_d < 2; ++two_d) {
+        for (int both = 0; both < 2; ++both) {
+            for (int swz = 0; swz < 2; ++swz) {
+                if (two_d && swz) continue;
+                clear();
+#ifdef OLD_KERNELS
+                const dim3 g(M / 32, K / 128);
+                auto kern = tessera_mxfp8_bf16_e4m3;
+#else
+                const dim3 g = (two_d || both) ? dim3(M / 64, K / 256) : dim3(M / 32, K / 128);
+                auto kern = two_d ? tessera_mxfp8_2d_bf16_e4m3 : both ? tessera_mxfp8_bf16_e4m3 : tessera_mxfp8_row_bf16_e4m3;
+#endif
+                const float ms = time_ms([&] {
+                    kern<<<g, 256>>>(x, M, K, 1.0f / 448.0f, q, (uint8_t*)sr, K / 32, both ? qt : nullptr,
+                                     both ? (uint8_t*)sc : nullptr, M / 32, K, two_d, swz);
+                });
+                char name[64];
+                std::snprintf(name, sizeof name, "mxfp8%s %s%s", two_d ? " 2d" : "", both ? "both" : "rowwise",
+                              swz ? " swizzled" : "");
+                const double sb = n / 32.0;
+                report(name, ms, in + (both ? 2 : 1) * (n + sb),
+                       {{q, n}, {sr, (size_t)sb}, {qt, both ? n : 0}, {sc, both ? (size_t)sb : 0}});
+            }
+        }
+    }
+    // NVFP4 (1-D, no RHT, round to nearest), with the global amax computed first.
+    {
+        CK(cudaMemset(amax, 0, 4));
+        const int blocks = (int)std::min<u64>(n / 8 / 256, 4ull * p.multiProcessorCount * 8);
+        const float ms_a = time_ms([&] { tessera_amax_bf16<<<blocks, 256>>>(x, n, amax); });
+        report("amax", ms_a, in, {{amax, 4}});
+        for (int both = 0; both < 2; ++both) {
+            for (int two_d = 0; two_d < 2; ++two_d) {
+                clear();
+                Nvfp4Args a{};
+                a.m = M;
+                a.k = K;
+                a.amax_row = amax;
+                a.amax_col = amax;
+                a.q_row = q;
+                a.s_row = (uint8_t*)sr;
+                a.s_row_cols = K / 16;
+                a.q_col = both ? qt : nullptr;
+                a.s_col = both ? (uint8_t*)sc : nullptr;
+                a.s_col_cols = M / 16;
+                a.two_d = two_d;
+                const float ms = time_ms([&] { tessera_nvfp4_bf16<<<dim3(M / 64, K / 64), 256>>>(x, a); });
+                char name[64];
+                std::snprintf(name, sizeof name, "nvfp4%s %s (no amax)", two_d ? " 2d" : "", both ? "both" : "rowwise");
+                const double ob = n / 2.0 + n / 16.0;
+                report(name, ms, in + (both ? 2 : 1) * ob,
+                       {{q, n / 2}, {sr, n / 16}, {qt, both ? n / 2 : 0}, {sc, both ? n / 16 : 0}});
+            }
+        }
+    }
+    return 0;
+}
