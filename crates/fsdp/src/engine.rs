@@ -352,13 +352,17 @@ impl Fsdp {
     }
 
     /// Adds a unit (a layer) whose parameters are given whole — the same values on every
-    /// rank — keeping this rank's f32 shards. Returns its index. Names must be unique.
+    /// rank, on any device — keeping this rank's f32 shards on the group's device.
+    /// Returns its index. Names must be unique.
     pub fn add_unit(&mut self, name: &str, params: Vec<(String, Tensor)>) -> Result<usize> {
         let mut sharded = Vec::with_capacity(params.len());
         for (pname, t) in params {
             let f = cast(&t, DType::F32)?;
             let mut p = self.new_param(pname, f.shape())?;
-            p.shard = p.layout.shard_of(&f, self.group.rank())?;
+            p.shard = p
+                .layout
+                .shard_of(&f, self.group.rank())?
+                .to_device(self.group.device())?;
             sharded.push(p);
         }
         self.push_unit(name, sharded)

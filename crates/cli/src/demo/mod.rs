@@ -11,8 +11,9 @@
 //! # What it trains
 //!
 //! A stack of `--layers` transformer MLP blocks, each `y = x + dropout(FC2(dropout(
-//! GeLU(FC1(LN(x))))))`, written on tessera's crates (module `block`): `tp · dp` thread ranks
-//! (tessera-collectives' `run_ranks`); rank `r` is tensor-parallel rank `r % tp` of
+//! GeLU(FC1(LN(x))))))`, written on tessera's crates (module `block`): `tp · dp` ranks —
+//! threads of this process (tessera-collectives' `run_ranks`) or one process per GPU
+//! (see [Backends](#backends)); rank `r` is tensor-parallel rank `r % tp` of
 //! data-parallel rank `r / tp`.
 //!
 //! - Tensor parallelism: FC1 is column-parallel, FC2 row-parallel (each rank holds
@@ -37,8 +38,8 @@
 //!   applies its rows. Data-parallel replicas share their seeds (Megatron's default).
 //! - Task: the target of every token is its input with the features rotated by one;
 //!   the loss is `0.5 · mean((y - target)²)`, averaged over the data-parallel batches.
-//! - GEMMs: the `gemm` crate on the CPU, with f32 accumulation; the format decides what
-//!   their inputs are rounded or quantized to ([`config`]).
+//! - GEMMs: the `gemm` crate on the CPU, cuBLAS on a GPU, with f32 accumulation; the
+//!   format decides what their inputs are rounded or quantized to ([`config`]).
 //!
 //! # The check
 //!
