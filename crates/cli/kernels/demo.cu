@@ -203,25 +203,20 @@ __global__ void LAUNCH_BOUNDS tessera_demo_bf16_to_f32(float* out, const uint16_
     }
 }
 
-// `rows` rows of `width` 4-byte words from src (row pitch `src_pitch` words) to dst
-// (row pitch `dst_pitch` words).
-__global__ void LAUNCH_BOUNDS tessera_demo_copy2d_u32(
-    uint32_t* dst, u64 dst_pitch, const uint32_t* src, u64 src_pitch, u64 rows, u64 width) {
-    const u64 n = rows * width;
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        u64 r = i / width, c = i % width;
-        dst[r * dst_pitch + c] = src[r * src_pitch + c];
+// `rows` rows of `width` elements from src (row pitch `src_pitch` elements) to dst (row
+// pitch `dst_pitch`), as 4-byte words (`_u32`) or bytes (`_u8`).
+#define TESSERA_DEMO_COPY2D(NAME, T)                                                      \
+    __global__ void LAUNCH_BOUNDS NAME(T* dst, u64 dst_pitch, const T* src, u64 src_pitch, \
+                                       u64 rows, u64 width) {                            \
+        const u64 n = rows * width;                                                      \
+        for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n;                  \
+             i += (u64)gridDim.x * blockDim.x) {                                         \
+            u64 r = i / width, c = i % width;                                            \
+            dst[r * dst_pitch + c] = src[r * src_pitch + c];                             \
+        }                                                                                \
     }
-}
 
-// The same in bytes.
-__global__ void LAUNCH_BOUNDS tessera_demo_copy2d_u8(
-    uint8_t* dst, u64 dst_pitch, const uint8_t* src, u64 src_pitch, u64 rows, u64 width) {
-    const u64 n = rows * width;
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        u64 r = i / width, c = i % width;
-        dst[r * dst_pitch + c] = src[r * src_pitch + c];
-    }
-}
+TESSERA_DEMO_COPY2D(tessera_demo_copy2d_u32, uint32_t)
+TESSERA_DEMO_COPY2D(tessera_demo_copy2d_u8, uint8_t)
 
 }  // extern "C"

@@ -81,92 +81,70 @@ fn warp_rows(rows: usize) -> Result<tessera_core::cuda::LaunchConfig> {
     })
 }
 
-/// `a + b` (f32, one shape).
-pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let dev = same_device("add", a, b)?.clone();
-    let n = a.numel();
-    let mut out = empty(a.shape(), DType::F32, &dev)?;
-    if n > 0 {
-        let n64 = n as u64;
-        launch!(
-            &dev,
-            "tessera_demo_add",
-            grid(&dev, n)?,
-            [
-                out.cuda_slice_mut()?,
-                a.cuda_slice()?,
-                b.cuda_slice()?,
-                &n64
-            ],
-            "(float* out, const float* a, const float* b, u64 n): three f32 buffers of n elements"
-        );
+/// One element-wise kernel over `inputs` (one device, one shape, `n` elements each)
+/// into a new tensor of `out_dtype`; the kernel's parameters are `(out, inputs...,
+/// [float scalar,] u64 n)`.
+fn elementwise(
+    kernel: &'static str,
+    inputs: &[&Tensor],
+    scalar: Option<f32>,
+    out_dtype: DType,
+) -> Result<Tensor> {
+    let first = inputs[0];
+    for t in &inputs[1..] {
+        same_device(kernel, first, t)?;
+    }
+    let dev = first.cuda_device()?.clone();
+    let n = first.numel();
+    let mut out = empty(first.shape(), out_dtype, &dev)?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let n64 = n as u64;
+    let f = dev.function(&PTX, kernel)?;
+    let cfg = grid(&dev, n)?;
+    {
+        let mut b = dev.stream().launch_builder(&f);
+        b.arg(out.cuda_slice_mut()?);
+        for t in inputs {
+            b.arg(t.cuda_slice()?);
+        }
+        if let Some(s) = &scalar {
+            b.arg(s);
+        }
+        b.arg(&n64);
+        // SAFETY: every element-wise kernel of `kernels/demo.cu` takes (T* out, const
+        // U* in..., [float scalar,] u64 n) in this order, as pushed; `out` is a fresh
+        // allocation of n elements of `out_dtype` and each input holds n elements (its
+        // caller in `ops` checked the shapes and dtypes); the kernels guard i < n.
+        unsafe { b.launch(cfg) }.cuda_op("launch a tessera_demo element-wise kernel")?;
     }
     Ok(out)
+}
+
+/// `a + b` (f32, one shape).
+pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    elementwise("tessera_demo_add", &[a, b], None, DType::F32)
 }
 
 /// GeLU of an f32 tensor.
 pub(crate) fn gelu(a: &Tensor) -> Result<Tensor> {
-    let dev = a.cuda_device()?.clone();
-    let n = a.numel();
-    let mut out = empty(a.shape(), DType::F32, &dev)?;
-    if n > 0 {
-        let n64 = n as u64;
-        launch!(
-            &dev,
-            "tessera_demo_gelu",
-            grid(&dev, n)?,
-            [out.cuda_slice_mut()?, a.cuda_slice()?, &n64],
-            "(float* out, const float* a, u64 n): two f32 buffers of n elements"
-        );
-    }
-    Ok(out)
+    elementwise("tessera_demo_gelu", &[a], None, DType::F32)
 }
 
 /// `dg · gelu'(a)`.
 pub(crate) fn gelu_backward(a: &Tensor, dg: &Tensor) -> Result<Tensor> {
-    let dev = same_device("gelu_backward", a, dg)?.clone();
-    let n = a.numel();
-    let mut out = empty(a.shape(), DType::F32, &dev)?;
-    if n > 0 {
-        let n64 = n as u64;
-        launch!(
-            &dev,
-            "tessera_demo_gelu_backward",
-            grid(&dev, n)?,
-            [
-                out.cuda_slice_mut()?,
-                a.cuda_slice()?,
-                dg.cuda_slice()?,
-                &n64
-            ],
-            "(float* out, const float* a, const float* dg, u64 n): three f32 buffers of n elements"
-        );
-    }
-    Ok(out)
+    elementwise("tessera_demo_gelu_backward", &[a, dg], None, DType::F32)
 }
 
 /// `x · scale` where `mask` is 1, 0 elsewhere.
 pub(crate) fn apply_mask(x: &Tensor, mask: &Tensor, scale: f32) -> Result<Tensor> {
-    let dev = same_device("apply_mask", x, mask)?.clone();
-    let n = x.numel();
-    let mut out = empty(x.shape(), DType::F32, &dev)?;
-    if n > 0 {
-        let n64 = n as u64;
-        launch!(
-            &dev,
-            "tessera_demo_apply_mask",
-            grid(&dev, n)?,
-            [
-                out.cuda_slice_mut()?,
-                x.cuda_slice()?,
-                mask.cuda_slice()?,
-                &scale,
-                &n64
-            ],
-            "(float* out, const float* x, const u8* mask, float scale, u64 n): f32 buffers and a byte mask of n elements"
-        );
-    }
-    Ok(out)
+    elementwise(
+        "tessera_demo_apply_mask",
+        &[x, mask],
+        Some(scale),
+        DType::F32,
+    )
 }
 
 /// LayerNorm of `[rows, h]`: `(z, mean, rstd)`.
@@ -271,38 +249,12 @@ pub(crate) fn layernorm_backward(
 
 /// f32 values rounded to a bf16 tensor.
 pub(crate) fn to_bf16(x: &Tensor) -> Result<Tensor> {
-    let dev = x.cuda_device()?.clone();
-    let n = x.numel();
-    let mut out = empty(x.shape(), DType::BF16, &dev)?;
-    if n > 0 {
-        let n64 = n as u64;
-        launch!(
-            &dev,
-            "tessera_demo_to_bf16",
-            grid(&dev, n)?,
-            [out.cuda_slice_mut()?, x.cuda_slice()?, &n64],
-            "(u16* out, const float* x, u64 n): n bf16 out, n f32 in"
-        );
-    }
-    Ok(out)
+    elementwise("tessera_demo_to_bf16", &[x], None, DType::BF16)
 }
 
 /// A bf16 tensor's values as f32.
 pub(crate) fn bf16_to_f32(x: &Tensor) -> Result<Tensor> {
-    let dev = x.cuda_device()?.clone();
-    let n = x.numel();
-    let mut out = empty(x.shape(), DType::F32, &dev)?;
-    if n > 0 {
-        let n64 = n as u64;
-        launch!(
-            &dev,
-            "tessera_demo_bf16_to_f32",
-            grid(&dev, n)?,
-            [out.cuda_slice_mut()?, x.cuda_slice()?, &n64],
-            "(float* out, const u16* x, u64 n): n f32 out, n bf16 in"
-        );
-    }
-    Ok(out)
+    elementwise("tessera_demo_bf16_to_f32", &[x], None, DType::F32)
 }
 
 /// A strided copy of `rows` rows of `width` elements: element `(r, c)` of `src` at

@@ -269,19 +269,7 @@ pub fn execute(cfg: &DemoConfig, console: &mut Console) -> Result<DemoReport, De
     console.intro(cfg)?;
 
     let init = model::init(cfg).map_err(DemoError::tessera("initial weights"))?;
-    console.phase("reference");
-    let t0 = Instant::now();
-    let mut reference = Reference::new(cfg, &init).map_err(DemoError::tessera("reference"))?;
-    let mut ref_steps = Vec::with_capacity(cfg.steps);
-    for step in 0..cfg.steps {
-        ref_steps.push(
-            reference
-                .step(step)
-                .map_err(DemoError::tessera(format!("reference, step {}", step + 1)))?,
-        );
-        console.tick();
-    }
-    let ref_time = t0.elapsed();
+    let (ref_steps, ref_time) = train_reference(cfg, &init, console)?;
 
     console.phase("distributed");
     let tolerance = report::Tolerance::new(cfg);
@@ -339,6 +327,28 @@ pub fn execute(cfg: &DemoConfig, console: &mut Console) -> Result<DemoReport, De
     let report = DemoReport::build(cfg, &tolerance, rows, &ref_steps, ref_time, &outputs);
     console.summary(&report)?;
     Ok(report)
+}
+
+/// Trains the reference from `init` on `cfg.device`, ticking `console` each step;
+/// returns its steps and how long they took.
+fn train_reference(
+    cfg: &DemoConfig,
+    init: &[model::LayerWeights],
+    console: &Console,
+) -> Result<(Vec<reference::RefStep>, std::time::Duration), DemoError> {
+    console.phase("reference");
+    let t0 = Instant::now();
+    let mut reference = Reference::new(cfg, init).map_err(DemoError::tessera("reference"))?;
+    let mut steps = Vec::with_capacity(cfg.steps);
+    for step in 0..cfg.steps {
+        steps.push(
+            reference
+                .step(step)
+                .map_err(DemoError::tessera(format!("reference, step {}", step + 1)))?,
+        );
+        console.tick();
+    }
+    Ok((steps, t0.elapsed()))
 }
 
 /// Every rank's output, or the error that most likely started the failure: a rank's own

@@ -17,7 +17,7 @@
 //! order, and `--reference-sums whole` holds the run to its bound instead.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tessera_collectives::ProcessGroup;
 use tessera_core::{DType, Error, Result, Tensor};
@@ -26,7 +26,6 @@ use tessera_fsdp::{CommCounts, MemoryStats, OpCount};
 use super::config::DemoConfig;
 use super::rank::{RankOutput, StepEvent, run_rank};
 use super::record::{BlockBytes, MaskRecord, Region, Traffic, TrafficKey};
-use super::reference::Reference;
 use super::report::{self, Console, DemoReport};
 use super::{DemoError, model};
 
@@ -55,23 +54,13 @@ pub fn execute_in_group(
     }
     let init = model::init(cfg).map_err(DemoError::tessera("initial weights"))?;
 
-    let mut ref_steps = Vec::new();
-    let mut ref_time = Duration::ZERO;
-    if lead {
-        console.phase("reference");
-        let t0 = Instant::now();
-        let mut reference = Reference::new(cfg, &init).map_err(DemoError::tessera("reference"))?;
-        for step in 0..cfg.steps {
-            ref_steps.push(
-                reference
-                    .step(step)
-                    .map_err(DemoError::tessera(format!("reference, step {}", step + 1)))?,
-            );
-            console.tick();
-        }
-        ref_time = t0.elapsed();
+    let (ref_steps, ref_time) = if lead {
+        let out = super::train_reference(cfg, &init, console)?;
         console.phase("distributed");
-    }
+        out
+    } else {
+        (Vec::new(), Duration::ZERO)
+    };
     let tolerance = report::Tolerance::new(cfg);
     let first_ref = ref_steps.first().map_or(0.0, |r| r.loss);
     if lead {
