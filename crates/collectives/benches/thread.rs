@@ -18,6 +18,10 @@ use tessera_collectives::{MaybeQuantized, ProcessGroup, gather_along_first_dim, 
 use tessera_core::{DType, Device, Result, Tensor, bf16};
 use tessera_quant::{Fp8Format, Mxfp8Quantizer, Quantizer};
 
+/// One rank's samples: plain gather ms, MXFP8 gather ms, the MXFP8 output bytes, and
+/// pre-quantized gather ms.
+type Samples = (Vec<f64>, Vec<f64>, usize, Vec<f64>);
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -62,56 +66,51 @@ fn main() -> Result<()> {
     );
     for shard in [1usize << 20, 4 << 20, 16 << 20, 64 << 20] {
         let memcpy = memcpy_ms(world * shard);
-        let times = run_ranks(
-            world,
-            |g| -> Result<(Vec<f64>, Vec<f64>, usize, Vec<f64>)> {
-                let group: Arc<dyn ProcessGroup> = Arc::new(g);
-                let x =
-                    Tensor::filled_with_byte([shard], DType::U8, Device::Cpu, group.rank() as u8)?;
-                // The output is allocated once and reused, like the memcpy's destination.
-                let mut out = Tensor::zeros([world * shard], DType::U8, Device::Cpu)?;
-                let mut plain = Vec::new();
-                for _ in 0..7 {
-                    group.barrier()?;
-                    let t = Instant::now();
-                    out = group.all_gather_into(&x, out)?.into_result()?;
-                    plain.push(t.elapsed().as_secs_f64() * 1e3);
-                }
-                std::hint::black_box(&out);
-                let rows = shard / 2 / 1024;
-                let y = Tensor::from_slice(
-                    &vec![bf16::from_f32(0.5); rows * 1024],
-                    [rows, 1024],
-                    Device::Cpu,
-                )?;
-                let mut quant = Vec::new();
-                let mut out_bytes = 0;
-                for _ in 0..3 {
-                    group.barrier()?;
-                    let t = Instant::now();
-                    let mut q = Mxfp8Quantizer::new(Fp8Format::E4M3);
-                    let out = gather_along_first_dim(
-                        &MaybeQuantized::Plain(y.clone()),
-                        &group,
-                        Some(&mut q),
-                    )?
-                    .into_result()?;
-                    quant.push(t.elapsed().as_secs_f64() * 1e3);
-                    out_bytes = out.quantized().map_or(0, |q| q.size_in_bytes());
-                    std::hint::black_box(out);
-                }
-                let qy =
-                    MaybeQuantized::Quantized(Mxfp8Quantizer::new(Fp8Format::E4M3).quantize(&y)?);
-                let mut wire = Vec::new();
-                for _ in 0..7 {
-                    group.barrier()?;
-                    let t = Instant::now();
-                    std::hint::black_box(gather_along_first_dim(&qy, &group, None)?.into_result()?);
-                    wire.push(t.elapsed().as_secs_f64() * 1e3);
-                }
-                Ok((plain, quant, out_bytes, wire))
-            },
-        )?;
+        let times = run_ranks(world, |g| -> Result<Samples> {
+            let group: Arc<dyn ProcessGroup> = Arc::new(g);
+            let x = Tensor::filled_with_byte([shard], DType::U8, Device::Cpu, group.rank() as u8)?;
+            // The output is allocated once and reused, like the memcpy's destination.
+            let mut out = Tensor::zeros([world * shard], DType::U8, Device::Cpu)?;
+            let mut plain = Vec::new();
+            for _ in 0..7 {
+                group.barrier()?;
+                let t = Instant::now();
+                out = group.all_gather_into(&x, out)?.into_result()?;
+                plain.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            std::hint::black_box(&out);
+            let rows = shard / 2 / 1024;
+            let y = Tensor::from_slice(
+                &vec![bf16::from_f32(0.5); rows * 1024],
+                [rows, 1024],
+                Device::Cpu,
+            )?;
+            let mut quant = Vec::new();
+            let mut out_bytes = 0;
+            for _ in 0..3 {
+                group.barrier()?;
+                let t = Instant::now();
+                let mut q = Mxfp8Quantizer::new(Fp8Format::E4M3);
+                let out = gather_along_first_dim(
+                    &MaybeQuantized::Plain(y.clone()),
+                    &group,
+                    Some(&mut q),
+                )?
+                .into_result()?;
+                quant.push(t.elapsed().as_secs_f64() * 1e3);
+                out_bytes = out.quantized().map_or(0, |q| q.size_in_bytes());
+                std::hint::black_box(out);
+            }
+            let qy = MaybeQuantized::Quantized(Mxfp8Quantizer::new(Fp8Format::E4M3).quantize(&y)?);
+            let mut wire = Vec::new();
+            for _ in 0..7 {
+                group.barrier()?;
+                let t = Instant::now();
+                std::hint::black_box(gather_along_first_dim(&qy, &group, None)?.into_result()?);
+                wire.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            Ok((plain, quant, out_bytes, wire))
+        })?;
         let (g, q, out_bytes, wire) = times[0].as_ref().map_err(Clone::clone)?;
         let q_memcpy = median(memcpy_ms(*out_bytes));
         let range = |v: &[f64]| {
