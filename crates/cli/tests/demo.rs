@@ -339,6 +339,8 @@ fn the_table_summary_chart_and_report_are_written() {
     let r = read_json(&json);
     assert_eq!(r["config"]["tp"], 2);
     assert_eq!(r["config"]["dp"], 2);
+    assert_eq!(r["config"]["backend"], "threads");
+    assert_eq!(r["config"]["device"], "cpu");
     assert!(
         r["throughput"]["distributed_tokens_per_s"]
             .as_f64()

@@ -95,6 +95,8 @@ fn multi_process_demo_over_nccl_agrees_with_its_reference() {
         let r = read(&report);
         assert_eq!(r["passed"], true, "{name}: {r:#}");
         assert_eq!(r["max_abs_difference"], 0.0, "{name}: not bit for bit");
+        assert_eq!(r["config"]["backend"], "nccl");
+        assert_eq!(r["config"]["device"], "cuda:0", "rank 0 trains on its GPU");
         // The same run on CPU thread ranks: the same model, GEMM sums blocked otherwise.
         let cpu_report = dir.join(format!("{name}-cpu.json"));
         let mut cpu_args: Vec<&str> = args

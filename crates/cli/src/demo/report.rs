@@ -217,6 +217,10 @@ pub struct ConfigSummary {
     pub reference_sums: &'static str,
     /// How FSDP gathers parameters.
     pub fsdp_wire: String,
+    /// `--backend`: `threads` or `nccl`.
+    pub backend: &'static str,
+    /// Where rank 0's tensors lived, e.g. `cpu` or `cuda:0`.
+    pub device: String,
 }
 
 /// Everything `tessera demo` found: `--report` writes it as JSON.
@@ -516,6 +520,11 @@ impl DemoReport {
                     ReferenceSums::Whole => "whole",
                 },
                 fsdp_wire: rank0.map(|o| o.fsdp_wire.clone()).unwrap_or_default(),
+                backend: match cfg.backend {
+                    Backend::Threads => "threads",
+                    Backend::Nccl => "nccl",
+                },
+                device: cfg.device.to_string(),
             },
             steps,
             max_abs_difference: max_abs,
@@ -798,13 +807,19 @@ impl Console {
         }
         let th = &r.throughput;
         s += &format!(
-            "  throughput   distributed {} tokens/s ({} steps × {} tokens in {:.2} s on {} thread \
-             ranks); reference {} tokens/s (1 rank, {:.2} s)\n",
+            "  throughput   distributed {} tokens/s ({} steps × {} tokens in {:.2} s on {} {} \
+             on {}); reference {} tokens/s (1 rank, {:.2} s)\n",
             grouped(th.distributed_tokens_per_s as u64),
             r.config.steps,
             th.tokens_per_step,
             th.distributed_seconds,
             r.config.tp * r.config.dp,
+            if r.config.backend == "nccl" {
+                "processes"
+            } else {
+                "thread ranks"
+            },
+            r.config.device,
             grouped(th.reference_tokens_per_s as u64),
             th.reference_seconds
         );
