@@ -126,6 +126,35 @@ fn main() -> Result<()> {
                 &mut Fp8DelayedScaling::new(e4, 16)?.with_usage(usage),
                 false,
             )?;
+            // As a training step uses it: ten casts, then one look at the state (the
+            // update); and `quantize` allocating its outputs each call.
+            let mut q = Fp8DelayedScaling::new(e4, 16)?.with_usage(usage);
+            let mut out = q.make_empty(x.shape(), x.dtype(), x.device())?;
+            let bytes = x.size_in_bytes() + out.size_in_bytes();
+            let mut n = 0usize;
+            let ms = time(b.dev, b.iters, || {
+                q.quantize_into(&x, &mut out)?;
+                n += 1;
+                if n.is_multiple_of(BATCH) {
+                    q.update(None);
+                }
+                Ok(())
+            })?;
+            b.rows.push(Row {
+                shape: shape.to_string(),
+                name: format!("fp8 delayed {u}, update per 10"),
+                ms,
+                bytes,
+                floor_bytes: bytes,
+            });
+            let ms = time(b.dev, b.iters, || q.quantize(&x).map(drop))?;
+            b.rows.push(Row {
+                shape: shape.to_string(),
+                name: format!("fp8 delayed {u}, quantize()"),
+                ms,
+                bytes,
+                floor_bytes: bytes,
+            });
             b.quantizer(
                 &x,
                 &format!("fp8 current scaling {u}"),

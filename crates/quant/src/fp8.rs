@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use rayon::prelude::*;
 use tessera_core::{DType, Device, Error, Replay, Result, Shape, Snapshot, Tensor};
@@ -251,7 +251,7 @@ impl Quantizer for Fp8CurrentScaling {
     }
     fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
         if x.device().is_cuda() {
-            let mut out = self.make_empty(x.shape(), x.dtype(), x.device())?;
+            let mut out = cuda_output(self, x)?;
             self.quantize_into(x, &mut out)?;
             return Ok(out);
         }
@@ -262,6 +262,21 @@ impl Quantizer for Fp8CurrentScaling {
         let scale = self.scale_from_amax(v.amax())?;
         quantize_with_scale(x, &v, scale, self.format, self.usage)
     }
+}
+
+/// The output of a per-tensor FP8 cast of the CUDA tensor `x`: `q`'s buffers, left
+/// uninitialised, because the cast kernels write every byte of them (the GPU tests quantize
+/// into poisoned buffers to check that), so a memset of the outputs would be wasted work.
+#[cfg(feature = "cuda")]
+fn cuda_output(q: &dyn Quantizer, x: &Tensor) -> Result<QuantizedTensor> {
+    q.check_shape(x.shape())?;
+    crate::make_uninit_from_specs(q.kind(), q.usage(), x.shape(), x.dtype(), x.device())
+}
+
+/// Without the `cuda` feature there are no CUDA tensors; `quantize_into` reports that.
+#[cfg(not(feature = "cuda"))]
+fn cuda_output(q: &dyn Quantizer, x: &Tensor) -> Result<QuantizedTensor> {
+    q.make_empty(x.shape(), x.dtype(), x.device())
 }
 
 fn check_rank(op: &'static str, shape: &Shape) -> Result<()> {
@@ -378,14 +393,82 @@ impl Replay for DelayedScalingState {
 /// FP8 delayed scaling (TE's `Float8Quantizer` under the `DelayedScaling` recipe): casts
 /// with the scale derived from earlier amaxes, and records this tensor's amax into the
 /// history; [`update`](Self::update) then computes the next scale.
-#[derive(Debug, Clone)]
+///
+/// On CUDA tensors a quantize call never waits for the device: the scale stays on the
+/// device until it changes, and the casts' amaxes collect in a device buffer that is
+/// recorded into the history when the state is next looked at ([`state`](Self::state),
+/// [`state_mut`](Self::state_mut), [`update`](Self::update), `Debug`). What those show is
+/// exactly what recording each amax right after its cast would have shown. An error
+/// reading that buffer back (a failed kernel) leaves the history as it was and is returned
+/// by the next quantize call of a CUDA tensor.
+#[derive(Clone)]
 pub struct Fp8DelayedScaling {
     format: Fp8Format,
     usage: Usage,
     margin: i32,
     algo: AmaxComputeAlgo,
+    /// The state, without the amaxes still in `device.pending`.
     state: DelayedScalingState,
     record: bool,
+    device: DeviceSide,
+}
+
+/// What lets a delayed-scaling cast of a CUDA tensor run without a round trip through
+/// the host.
+#[derive(Clone, Default)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct DeviceSide {
+    /// `f32 [1]` on a device: the NaN-ignoring max of the amaxes of the recording casts
+    /// since the history last took them in (the kernels atomically max into it), or
+    /// `None` when there were none.
+    pending: Option<Tensor>,
+    /// The state with `pending` recorded, read back the first time it is looked at
+    /// through `&self`; empty whenever `pending` is `None`.
+    observed: OnceLock<Observed>,
+    /// The scale on a device with its `f32` bits, uploaded when the scale or the device
+    /// changes.
+    scale: Option<(u32, Tensor)>,
+    /// A failure to read `pending` back, for the next quantize call of a CUDA tensor to
+    /// return.
+    error: Option<Error>,
+}
+
+/// The host state with the device-held amaxes recorded.
+#[derive(Clone)]
+struct Observed {
+    state: DelayedScalingState,
+    /// Why the amaxes could not be read (then `state` is the state without them).
+    error: Option<Error>,
+}
+
+impl Observed {
+    /// `state` with the amax in `pending` recorded (waits for the device).
+    fn read(state: &DelayedScalingState, pending: &Tensor) -> Observed {
+        let mut state = state.clone();
+        match pending.to_vec::<f32>() {
+            Ok(a) => {
+                state.record_amax(a[0]);
+                Observed { state, error: None }
+            }
+            Err(e) => Observed {
+                state,
+                error: Some(e),
+            },
+        }
+    }
+}
+
+impl fmt::Debug for Fp8DelayedScaling {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Fp8DelayedScaling")
+            .field("format", &self.format)
+            .field("usage", &self.usage)
+            .field("margin", &self.margin)
+            .field("algo", &self.algo)
+            .field("state", self.state())
+            .field("record", &self.record)
+            .finish()
+    }
 }
 
 impl Fp8DelayedScaling {
@@ -399,6 +482,7 @@ impl Fp8DelayedScaling {
             algo: AmaxComputeAlgo::Max,
             state: DelayedScalingState::new(history_len)?,
             record: true,
+            device: DeviceSide::default(),
         })
     }
 
@@ -428,18 +512,47 @@ impl Fp8DelayedScaling {
                 format!("scale {scale} must be finite and positive"),
             ));
         }
+        self.settle();
         self.state.scale = scale;
         Ok(self)
     }
 
-    /// The history and scale.
+    /// The history and scale. After casts of CUDA tensors this waits for the device the
+    /// first time, to record their amaxes.
     pub fn state(&self) -> &DelayedScalingState {
-        &self.state
+        match &self.device.pending {
+            None => &self.state,
+            Some(p) => {
+                &self
+                    .device
+                    .observed
+                    .get_or_init(|| Observed::read(&self.state, p))
+                    .state
+            }
+        }
     }
 
-    /// The history and scale, for `Replay` registration.
+    /// The history and scale, for `Replay` registration. Records the amaxes of earlier
+    /// casts of CUDA tensors first, as [`state`](Self::state) does.
     pub fn state_mut(&mut self) -> &mut DelayedScalingState {
+        self.settle();
         &mut self.state
+    }
+
+    /// Records the device-held amaxes into `state` (reading them back unless `state()`
+    /// already did); a read error is kept for the next quantize call.
+    fn settle(&mut self) {
+        let Some(pending) = self.device.pending.take() else {
+            return;
+        };
+        let observed = match self.device.observed.take() {
+            Some(o) => o,
+            None => Observed::read(&self.state, &pending),
+        };
+        self.state = observed.state;
+        if let Some(e) = observed.error {
+            self.device.error.get_or_insert(e);
+        }
     }
 
     /// Whether casts record their amax (turned off while recomputing a checkpointed
@@ -450,6 +563,7 @@ impl Fp8DelayedScaling {
 
     /// Runs the fused update with the newest amax after an optional all-reduce.
     pub fn update(&mut self, reduced_amax: Option<f32>) {
+        self.settle();
         self.state
             .update(reduced_amax, self.format, self.margin, self.algo);
     }
@@ -487,7 +601,7 @@ impl Quantizer for Fp8DelayedScaling {
     }
     fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
         if x.device().is_cuda() {
-            let mut out = self.make_empty(x.shape(), x.dtype(), x.device())?;
+            let mut out = cuda_output(self, x)?;
             self.quantize_into(x, &mut out)?;
             return Ok(out);
         }
@@ -496,6 +610,7 @@ impl Quantizer for Fp8DelayedScaling {
         let v = Values::new(OP, x)?;
         let qt = quantize_with_scale(x, &v, self.state.scale, self.format, self.usage)?;
         if self.record {
+            self.settle();
             self.state.record_amax(v.amax());
         }
         Ok(qt)
@@ -503,19 +618,49 @@ impl Quantizer for Fp8DelayedScaling {
 }
 
 impl Fp8DelayedScaling {
-    /// The cast on the device with the host-held scale; recording the amax into the
-    /// host-held history reads one float back.
+    /// The cast on the device, queued without waiting for it: the scale is uploaded only
+    /// when it changed, and a recording cast maxes its amax into the device-held pending
+    /// amax (recorded into the history when the state is looked at). The max of the
+    /// amaxes is the same whether taken per cast on the host or at once on the device.
     #[cfg(feature = "cuda")]
     fn quantize_into_cuda(&mut self, x: &Tensor, out: &mut QuantizedTensor) -> Result<()> {
         use crate::cuda::fp8 as k;
         check_input("Fp8DelayedScaling::quantize", x)?;
-        let scale = Tensor::from_slice(&[self.state.scale], [1], x.device())?;
-        let mut amax = Tensor::zeros([1], DType::F32, x.device())?;
-        k::cast_into(x, &scale, self.format, out, Some(&mut amax))?;
-        if self.record {
-            self.state.record_amax(amax.to_vec::<f32>()?[0]);
+        if let Some(e) = self.device.error.take() {
+            return Err(e);
         }
-        Ok(())
+        let device = x.device();
+        // The history took the amaxes in already (`state()`), or they are on another
+        // device than this cast's: fold them into the host state before going on.
+        let other_device = self
+            .device
+            .pending
+            .as_ref()
+            .is_some_and(|p| p.device() != device);
+        if self.device.observed.get().is_some() || other_device {
+            self.settle();
+            if let Some(e) = self.device.error.take() {
+                return Err(e);
+            }
+        }
+        let bits = self.state.scale.to_bits();
+        let scale = match &self.device.scale {
+            Some((b, t)) if *b == bits && t.device() == device => t,
+            _ => {
+                let t = Tensor::from_slice(&[self.state.scale], [1], device)?;
+                &self.device.scale.insert((bits, t)).1
+            }
+        };
+        let amax = match self.record {
+            true => {
+                if self.device.pending.is_none() {
+                    self.device.pending = Some(Tensor::zeros([1], DType::F32, device)?);
+                }
+                self.device.pending.as_mut()
+            }
+            false => None,
+        };
+        k::cast_into(x, scale, self.format, out, amax)
     }
 
     #[cfg(not(feature = "cuda"))]
@@ -650,6 +795,18 @@ mod tests {
         assert_eq!(
             (r.history.as_slice(), r.scale),
             (&[0.0, f32::INFINITY][..], 2.0)
+        );
+    }
+
+    #[test]
+    fn delayed_scaling_debug_lists_the_fields_and_state() {
+        let q = Fp8DelayedScaling::new(Fp8Format::E4M3, 2)
+            .unwrap()
+            .with_usage(Usage::Rowwise);
+        assert_eq!(
+            format!("{q:?}"),
+            "Fp8DelayedScaling { format: E4M3, usage: Rowwise, margin: 0, algo: Max, \
+             state: DelayedScalingState { history: [0.0, 0.0], scale: 1.0 }, record: true }"
         );
     }
 

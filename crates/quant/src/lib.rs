@@ -228,6 +228,31 @@ pub(crate) fn make_empty_from_specs(
     dtype: DType,
     device: Device,
 ) -> Result<QuantizedTensor> {
+    alloc_from_specs(kind, usage, shape, dtype, device, true)
+}
+
+/// [`make_empty_from_specs`] with the buffers' contents left unspecified on a device (no
+/// memset launch), for outputs a kernel overwrites entirely.
+#[cfg(feature = "cuda")]
+pub(crate) fn make_uninit_from_specs(
+    kind: Kind,
+    usage: Usage,
+    shape: &Shape,
+    dtype: DType,
+    device: Device,
+) -> Result<QuantizedTensor> {
+    alloc_from_specs(kind, usage, shape, dtype, device, false)
+}
+
+/// The buffers of `kind` that `usage` asks for, zeroed or left uninitialised.
+fn alloc_from_specs(
+    kind: Kind,
+    usage: Usage,
+    shape: &Shape,
+    dtype: DType,
+    device: Device,
+    zeroed: bool,
+) -> Result<QuantizedTensor> {
     if !dtype.is_high_precision_float() {
         return Err(Error::dtype("make_empty", "f32, bf16 or f16", dtype));
     }
@@ -240,7 +265,12 @@ pub(crate) fn make_empty_from_specs(
         let wanted =
             wanted || (matches!(kind, Kind::Fp8 { .. }) && spec.name == BufferName::ScaleInv);
         if wanted {
-            buffers.insert(spec.name, Tensor::zeros(spec.shape, spec.dtype, device)?);
+            let t = if zeroed {
+                Tensor::zeros(spec.shape, spec.dtype, device)?
+            } else {
+                Tensor::empty(spec.shape, spec.dtype, device)?
+            };
+            buffers.insert(spec.name, t);
         }
     }
     Ok(QuantizedTensor {

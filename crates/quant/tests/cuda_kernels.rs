@@ -344,6 +344,216 @@ fn fp8_delayed_scaling_matches_the_cpu_and_records_amax() {
     }
 }
 
+/// Normal values times `mag`, with no NaN or infinity (so the amaxes move the scale).
+fn plain(shape: &[usize], dtype: DType, seed: u64, mag: f32) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut v = vec![0f32; n];
+    Generator::new(seed).fill_normal(&mut v, 0.0, 1.0);
+    let v: Vec<f32> = v.iter().map(|&x| x * mag).collect();
+    match dtype {
+        DType::F32 => Tensor::from_slice(&v, shape, Device::Cpu),
+        DType::BF16 => Tensor::from_slice(
+            &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
+            shape,
+            Device::Cpu,
+        ),
+        _ => Tensor::from_slice(
+            &v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
+            shape,
+            Device::Cpu,
+        ),
+    }
+    .unwrap()
+}
+
+/// The history and scale of two delayed-scaling quantizers, bit for bit (NaN included),
+/// and their `Debug` text.
+fn assert_same_state(gpu: &Fp8DelayedScaling, cpu: &Fp8DelayedScaling, what: &str) {
+    let bits = |q: &Fp8DelayedScaling| {
+        let s = q.state();
+        (
+            s.history().iter().map(|h| h.to_bits()).collect::<Vec<_>>(),
+            s.scale().to_bits(),
+        )
+    };
+    assert_eq!(bits(gpu), bits(cpu), "{what}: history and scale");
+    assert_eq!(format!("{gpu:?}"), format!("{cpu:?}"), "{what}: Debug");
+}
+
+/// Train-step-like sequences of delayed-scaling casts of CUDA tensors (several casts per
+/// step, the state looked at only now and then, updates, snapshots restored in between,
+/// recording turned off for some casts, a clone taken with amaxes still on the device)
+/// against the same sequence on the CPU: every output byte, the amax history and the
+/// scale after each update agree bit for bit.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn fp8_delayed_scaling_steps_match_the_cpu() {
+    use tessera_core::Replay;
+    use tessera_quant::AmaxComputeAlgo;
+    require_gpu();
+    let shapes: &[&[usize]] = &[
+        &[64, 64],
+        &[65, 63],
+        &[257, 129],
+        &[2, 3, 40],
+        &[7],
+        &[512, 1030],
+    ];
+    let mut seed = 2000u64;
+    let mut case = 0usize;
+    for usage in [Usage::Rowwise, Usage::Columnwise, Usage::Both] {
+        for (dtype, format, algo, margin) in [
+            (DType::BF16, Fp8Format::E4M3, AmaxComputeAlgo::Max, 0),
+            (DType::F32, Fp8Format::E5M2, AmaxComputeAlgo::MostRecent, 1),
+            (DType::F16, Fp8Format::E4M3, AmaxComputeAlgo::Max, 2),
+        ] {
+            case += 1;
+            let mk = || {
+                Fp8DelayedScaling::new(format, 4)
+                    .unwrap()
+                    .with_usage(usage)
+                    .with_algo(algo)
+                    .with_margin(margin)
+                    .with_scale(0.75)
+                    .unwrap()
+            };
+            let (mut qc, mut qg) = (mk(), mk());
+            let mut snaps = None;
+            let mut clones = None;
+            for step in 0..7usize {
+                let what = format!("case {case} {usage:?} {dtype} {format:?} step {step}");
+                let mut outs = Vec::new();
+                for call in 0..4usize {
+                    seed += 1;
+                    let shape = shapes[(step + call + case) % shapes.len()];
+                    // Magnitudes that move the scale up and down; step 5 has NaN and
+                    // infinities (the scale is kept, the history records Inf).
+                    let x = if step == 5 && call == 1 {
+                        input(shape, dtype, seed)
+                    } else {
+                        let mag = 2f32.powi((step as i32 * 5 + call as i32) % 13 - 6);
+                        plain(shape, dtype, seed, mag)
+                    };
+                    let xd = x.to_device(GPU).unwrap();
+                    let off = step == 2 && call == 1;
+                    if off {
+                        qc.set_record_amax(false);
+                        qg.set_record_amax(false);
+                    }
+                    let cpu = qc.quantize(&x).unwrap();
+                    let gpu = if call % 2 == 0 {
+                        qg.quantize(&xd).unwrap()
+                    } else {
+                        let mut out = poisoned_output(&qg, &x);
+                        qg.quantize_into(&xd, &mut out).unwrap();
+                        out
+                    };
+                    if off {
+                        qc.set_record_amax(true);
+                        qg.set_record_amax(true);
+                    }
+                    outs.push((gpu, cpu, format!("{what} call {call} {shape:?}")));
+                    // Look at the state mid-step now and then (the next cast goes on
+                    // from what was read).
+                    if (step + call) % 3 == 0 {
+                        assert_same_state(&qg, &qc, &format!("{what} after call {call}"));
+                    }
+                    if step == 1 && call == 2 {
+                        // Snapshots with amaxes still on the device: through `state()`
+                        // for the GPU, `state_mut()` for the CPU.
+                        snaps = Some((qg.state().snapshot(), qc.state_mut().snapshot()));
+                    }
+                    if step == 3 && call == 0 {
+                        clones = Some((qg.clone(), qc.clone()));
+                    }
+                }
+                for (gpu, cpu, w) in &outs {
+                    assert_same(gpu, cpu, w);
+                }
+                if step == 4 {
+                    // Recompute-style replay: restore the snapshot over pending amaxes.
+                    let (sg, sc) = snaps.as_ref().unwrap();
+                    qg.state_mut().restore(sg).unwrap();
+                    qc.state_mut().restore(sc).unwrap();
+                    assert_same_state(&qg, &qc, &format!("{what} restored"));
+                }
+                if step == 3 {
+                    // Snapshots of the GPU quantizer restore into the CPU one and back.
+                    let s = qg.state_mut().snapshot();
+                    let mut back = mk();
+                    back.state_mut().restore(&s).unwrap();
+                    let mut cpu_back = mk();
+                    cpu_back
+                        .state_mut()
+                        .restore(&qc.state().snapshot())
+                        .unwrap();
+                    assert_same_state(&back, &cpu_back, &format!("{what} snapshot"));
+                }
+                let reduced = match step % 3 {
+                    0 => None,
+                    1 => Some(qc.state().history()[0] * 1.5),
+                    _ => Some(0.0),
+                };
+                if step != 6 {
+                    qc.update(reduced);
+                    qg.update(reduced);
+                    assert_same_state(&qg, &qc, &format!("{what} after update"));
+                }
+            }
+            // Casts still pending at the end, then a clone taken mid-sequence.
+            assert_same_state(&qg, &qc, &format!("case {case} end"));
+            let (cg, cc) = clones.unwrap();
+            assert_same_state(&cg, &cc, &format!("case {case} clone"));
+        }
+    }
+}
+
+/// One delayed-scaling quantizer fed CUDA and host tensors in turn, against one fed only
+/// host tensors.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn fp8_delayed_scaling_mixed_devices_match_the_cpu() {
+    require_gpu();
+    let mk = || {
+        Fp8DelayedScaling::new(Fp8Format::E4M3, 3)
+            .unwrap()
+            .with_scale(2.0)
+            .unwrap()
+    };
+    let (mut qc, mut qm) = (mk(), mk());
+    for step in 0..4 {
+        for call in 0..5u64 {
+            let x = plain(
+                &[96, 80],
+                DType::BF16,
+                3000 + 10 * step + call,
+                (call + 1) as f32,
+            );
+            let cpu = qc.quantize(&x).unwrap();
+            let on_gpu = (step + call) % 2 == 0;
+            let got = if on_gpu {
+                qm.quantize(&x.to_device(GPU).unwrap()).unwrap()
+            } else {
+                qm.quantize(&x).unwrap()
+            };
+            if on_gpu {
+                assert_same(&got, &cpu, &format!("step {step} call {call}"));
+            } else {
+                let bytes = |q: &QuantizedTensor| {
+                    q.data_tensors()
+                        .into_iter()
+                        .map(|(n, t)| (n, t.to_bytes().unwrap()))
+                        .collect::<Vec<_>>()
+                };
+                assert_eq!(bytes(&got), bytes(&cpu), "step {step} call {call}");
+            }
+        }
+        qc.update(None);
+        qm.update(None);
+        assert_same_state(&qm, &qc, &format!("step {step}"));
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn layout_helpers_match_the_cpu() {
