@@ -59,7 +59,8 @@ pub struct Checkpoint {
     mode: Mode,
     group: Option<Arc<dyn ProcessGroup>>,
     determinism_check: bool,
-    devices: Vec<Device>,
+    /// `None`: the CPU and the devices of the forward's inputs.
+    devices: Option<Vec<Device>>,
     context: Option<Arc<dyn UserContext>>,
     meter: Option<MemoryMeter>,
 }
@@ -71,7 +72,7 @@ impl Checkpoint {
             mode,
             group: None,
             determinism_check: false,
-            devices: vec![Device::Cpu],
+            devices: None,
             context: None,
             meter: None,
         }
@@ -116,15 +117,22 @@ impl Checkpoint {
     /// The devices whose per-thread current generators
     /// ([`tessera_rng::current`]) are snapshotted and replayed, in this order, before
     /// the layer's own [`replay_states`](Recompute::replay_states). Duplicates are
-    /// dropped.
+    /// dropped; an empty list replays no current generator.
+    ///
+    /// Without this call a frame replays the CPU's generator and those of the devices
+    /// its forward's inputs live on (PyTorch's `preserve_rng_state`), so a layer on a
+    /// GPU that draws from that GPU's current generator is reproduced without setup.
     pub fn replay_current_generators(mut self, devices: impl IntoIterator<Item = Device>) -> Self {
-        self.devices.clear();
-        for d in devices {
-            if !self.devices.contains(&d) {
-                self.devices.push(d);
-            }
-        }
+        self.devices = Some(unique(devices));
         self
+    }
+
+    /// The devices whose current generators a forward on `inputs` replays.
+    fn generator_devices(&self, inputs: &[Tensor]) -> Vec<Device> {
+        match &self.devices {
+            Some(d) => d.clone(),
+            None => unique(std::iter::once(Device::Cpu).chain(inputs.iter().map(Tensor::device))),
+        }
     }
 
     /// Runs `context` around the forward and the recompute (TE's `context_fn`).
@@ -159,8 +167,13 @@ impl Checkpoint {
     ) -> Result<(Vec<Tensor>, Frame)> {
         let checkpointed = self.mode != Mode::Off;
         let checksums = checkpointed && self.determinism_check;
+        let devices = if checkpointed {
+            self.generator_devices(inputs)
+        } else {
+            Vec::new()
+        };
         let snapshots = if checkpointed {
-            snapshot_all(layer, &self.devices)
+            snapshot_all(layer, &devices)
         } else {
             Vec::new()
         };
@@ -208,6 +221,7 @@ impl Checkpoint {
             config: self.clone(),
             inputs: stored,
             first_input,
+            devices,
             snapshots,
             saved: saver.metas,
             outputs: output_metas,
@@ -268,6 +282,8 @@ pub struct Frame {
     config: Checkpoint,
     inputs: Vec<Stored>,
     first_input: Option<Meta>,
+    /// The devices whose current generators `snapshots` begins with.
+    devices: Vec<Device>,
     snapshots: Vec<Snapshot>,
     saved: Vec<Meta>,
     outputs: Vec<Meta>,
@@ -325,7 +341,7 @@ impl Frame {
             }
         }
         if self.checkpointed() {
-            let now = snapshot_all(layer, &self.config.devices);
+            let now = snapshot_all(layer, &self.devices);
             check_kinds(OP, &self.snapshots, &now)?;
         }
         self.consumed = true;
@@ -412,7 +428,7 @@ impl Frame {
     fn recompute_inner<L: Recompute>(&mut self, layer: &mut L) -> Result<()> {
         const OP: &str = "checkpoint recompute";
         let inputs = self.materialize_inputs()?;
-        let devices = self.config.devices.clone();
+        let devices = self.devices.clone();
         let backward_time = snapshot_all(layer, &devices);
         check_kinds(OP, &self.snapshots, &backward_time)?;
         restore_all(layer, &devices, &self.snapshots)?;
@@ -654,6 +670,17 @@ fn run_forward<L: Recompute>(
         return Err(e);
     }
     Ok((out, saver))
+}
+
+/// `devices` in first-seen order without repeats.
+fn unique(devices: impl IntoIterator<Item = Device>) -> Vec<Device> {
+    let mut out: Vec<Device> = Vec::new();
+    for d in devices {
+        if !out.contains(&d) {
+            out.push(d);
+        }
+    }
+    out
 }
 
 /// Snapshots of the current generators of `devices`, then of the layer's states.

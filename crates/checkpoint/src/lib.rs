@@ -27,7 +27,8 @@
 //! # How replay works
 //!
 //! At the forward the frame snapshots the current generators of
-//! [`Checkpoint::replay_current_generators`] (the CPU's by default) and every state of
+//! [`Checkpoint::replay_current_generators`] (by default the CPU's and those of the
+//! devices the inputs live on, as PyTorch's `preserve_rng_state`) and every state of
 //! [`Recompute::replay_states`]. The recompute restores those snapshots, re-runs the
 //! forward, and then restores the snapshots taken just before it. So the recompute draws
 //! the same dropout masks and casts with the same FP8 scales as the forward, a

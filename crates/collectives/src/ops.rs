@@ -407,29 +407,56 @@ pub struct Chunk1d {
     pub shape: Shape,
 }
 
-/// This rank's chunk of `t` flattened.
+/// This rank's chunk of `t` flattened, made where `t` lives (a copy plan: a device
+/// copy for a CUDA tensor, no host round trip).
 pub fn split_tensor_into_1d_equal_chunks(t: &Tensor, group: &dyn ProcessGroup) -> Result<Chunk1d> {
     let (n, size, rank) = (t.numel(), group.size(), group.rank());
     let len = n.div_ceil(size);
     let elem = t.dtype().size_in_bytes();
-    let bytes = t.to_bytes()?;
-    let mut chunk = vec![0u8; len * elem];
     let start = (rank * len).min(n);
     let end = ((rank + 1) * len).min(n);
-    chunk[..(end - start) * elem].copy_from_slice(&bytes[start * elem..end * elem]);
+    let mut plan = CopyPlan {
+        name: BufferName::Data,
+        dtype: t.dtype(),
+        shape: Shape::new(vec![len]),
+        zeroed: end - start < len,
+        steps: Vec::new(),
+    };
+    let bytes = (end - start) * elem;
+    plan.push_strided(0, [start * elem, bytes], [0, bytes], 1, bytes);
     Ok(Chunk1d {
-        chunk: Tensor::from_bytes(&chunk, [len], t.dtype(), t.device())?,
+        chunk: packing::execute(&plan, &[PlanInput::whole(t)])?,
         shape: t.shape().clone(),
     })
 }
 
-/// TE's `gather_split_1d_tensor`: the full tensor back from every rank's chunk.
+/// TE's `gather_split_1d_tensor`: the full tensor back from every rank's chunk (the
+/// padding dropped where the gathered buffer lives).
 pub fn gather_split_1d_tensor(c: &Chunk1d, group: &dyn ProcessGroup) -> Result<Work<Tensor>> {
     let shape = c.shape.clone();
-    let n = shape.numel();
+    let len = c.chunk.numel();
+    if len < shape.numel().div_ceil(group.size().max(1)) || c.chunk.shape().rank() != 1 {
+        return Err(Error::shape(
+            "gather_split_1d_tensor",
+            format!(
+                "expected a 1-D chunk of at least ceil({} / {}) elements for shape {shape}, got \
+                 shape {}",
+                shape.numel(),
+                group.size(),
+                c.chunk.shape()
+            ),
+        ));
+    }
     Ok(group.all_gather(&c.chunk)?.then(move |all| {
-        let elem = all.dtype().size_in_bytes();
-        let bytes = all.to_bytes()?;
-        Tensor::from_bytes(&bytes[..n * elem], shape, all.dtype(), all.device())
+        let bytes = shape.numel() * all.dtype().size_in_bytes();
+        let mut plan = CopyPlan {
+            name: BufferName::Data,
+            dtype: all.dtype(),
+            shape,
+            zeroed: false,
+            steps: Vec::new(),
+        };
+        plan.push_strided(0, [0, bytes], [0, bytes], 1, bytes);
+        packing::execute(&plan, &[PlanInput::whole(&all)])
     }))
 }

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use tessera_collectives::nccl::{self, NcclVersion, UniqueId};
 use tessera_collectives::{
     Collective, GroupAmaxReduction, MaybeQuantized, NcclGroup, NcclOptions, ProcessGroup, ReduceOp,
-    Store, ThreadGroup, gather_along_first_dim, run_ranks,
+    Store, ThreadGroup, gather_along_first_dim, gather_split_1d_tensor, run_ranks,
+    split_tensor_into_1d_equal_chunks,
 };
 use tessera_core::{DType, Device, Error, Result, Tensor, bf16};
 use tessera_quant::{Fp8CurrentScaling, Fp8Format, Mxfp8Quantizer, Quantizer};
@@ -492,6 +493,27 @@ fn quantized_gather_at_world_size_one_through_nccl() {
             want.dequantize(DType::F32).unwrap().to_bytes().unwrap(),
             "{what}"
         );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn split_and_gather_1d_stay_on_the_device() {
+    let (_s, g) = nccl_group_of_one(NcclOptions::default());
+    for dtype in [DType::F32, DType::BF16] {
+        let v = values(37 * 3, 11);
+        let t = tensor(&v, [37, 3], dtype, g.device());
+        let c = split_tensor_into_1d_equal_chunks(&t, &g).unwrap();
+        assert_eq!(c.chunk.device(), g.device());
+        assert_eq!(c.chunk.shape().dims(), &[37 * 3]);
+        assert_eq!(c.chunk.to_bytes().unwrap(), t.to_bytes().unwrap());
+        let back = gather_split_1d_tensor(&c, &g)
+            .unwrap()
+            .into_result()
+            .unwrap();
+        assert_eq!(back.device(), g.device());
+        assert_eq!(back.shape(), t.shape());
+        assert_eq!(back.to_bytes().unwrap(), t.to_bytes().unwrap(), "{dtype}");
     }
 }
 

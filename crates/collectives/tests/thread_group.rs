@@ -304,6 +304,26 @@ fn split_and_gather_1d_handles_uneven_sizes() {
 }
 
 #[test]
+fn a_chunk_too_short_for_its_shape_is_a_shape_error() {
+    let results = run_ranks(2, |g| -> Result<()> {
+        let t = Tensor::from_slice(&[1f32, 2., 3., 4., 5.], [5], Device::Cpu)?;
+        let mut c = split_tensor_into_1d_equal_chunks(&t, &g)?;
+        assert_eq!(c.chunk.numel(), 3);
+        c.chunk = Tensor::zeros([2], DType::F32, Device::Cpu)?;
+        let err = gather_split_1d_tensor(&c, &g).unwrap_err();
+        assert!(
+            matches!(err, Error::Shape { .. }) && err.to_string().contains("ceil(5 / 2)"),
+            "{err}"
+        );
+        Ok(())
+    })
+    .unwrap();
+    for r in results {
+        r.unwrap();
+    }
+}
+
+#[test]
 fn bad_input_is_a_typed_error() {
     let results = run_ranks(3, |g| -> Result<()> {
         let x = Tensor::zeros([4, 2], DType::F32, Device::Cpu)?;
