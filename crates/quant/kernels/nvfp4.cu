@@ -36,21 +36,37 @@ __device__ __forceinline__ uint32_t random_byte(uint4 r, int j) {
 
 // ---- E2M1 -----------------------------------------------------------------------------
 
-// RNE, satfinite to +-6, NaN -> 7 (+6), sign of zero kept. On the float32 bits, no
-// comparisons chain: from 1 up, the code is the exponent and the top mantissa bit after
-// rounding the mantissa to one bit (nearest even) on the integer bits, capped at 7 (which
-// also catches Inf and NaN); below 1 it is rne(2|x|), which one exact float32 addition
-// of 2^22 (whose ulp is 0.5) computes. Checked against the threshold count
-// (> 0.25, >= 0.75, > 1.25, >= 1.75, > 2.5, >= 3.5, > 5) on all 2^32 inputs.
-__device__ __forceinline__ uint32_t e2m1(float x) {
-    const uint32_t xb = __float_as_uint(x);
-    const uint32_t ab = xb & 0x7FFFFFFFu;
-    const uint32_t rb = ab + 0x1FFFFFu + ((ab >> 22) & 1u);
-    const uint32_t big = min((rb >> 22) - 252u, 7u);
-    const uint32_t small = __float_as_uint(__fadd_rn(__uint_as_float(ab), 4194304.0f)) - 0x4A800000u;
-    const uint32_t c = ab < 0x3F800000u ? small : big;
-    const uint32_t s = ab <= 0x7F800000u ? ((xb >> 28) & 8u) : 0u;
-    return s | c;
+// The E2M1 magnitude code of |x| (0 .. 7): RNE, satfinite to 6, NaN -> 7. One exact
+// float32 addition rounds: a = min(|x|, 6) (NaN -> 6, as min.f32 returns the other
+// operand), p = 2^floor(log2(max(a, 1))) in {1, 2, 4}, the E2M1 step in [p, 2p) (and, for
+// p = 1, below 1) is p/2, which is the ulp of M = p * 2^22; so the bits of a + M minus
+// those of M count the steps, rounded to nearest even, and the code is that count plus
+// 2 log2 p (even, so ties still go to the even code). Checked against the threshold
+// count (> 0.25, >= 0.75, > 1.25, >= 1.75, > 2.5, >= 3.5, > 5) on all 2^32 inputs.
+__device__ __forceinline__ uint32_t e2m1_magnitude(float x) {
+    const float a = fminf(fabsf(x), 6.0f);
+    const uint32_t p = max(__float_as_uint(a), 0x3F800000u) & 0x7F800000u;  // bits of p
+    const uint32_t m = p + (22u << 23);                                        // bits of M
+    return (__float_as_uint(__fadd_rn(a, __uint_as_float(m))) - m) + ((p >> 22) - 254u);
+}
+
+// Whether x takes the sign bit: negative, zero included, and not NaN (NaN -> +6).
+__device__ __forceinline__ bool e2m1_negative(float x) {
+    return (int32_t)__float_as_uint(x) < 0 && fabsf(x) <= INFINITY;
+}
+
+// RNE, satfinite to +-6, NaN -> 7 (+6), sign of zero kept.
+__device__ __forceinline__ uint32_t e2m1(float x) { return e2m1_magnitude(x) | (e2m1_negative(x) ? 8u : 0u); }
+
+// 8 values times g to 8 E2M1 codes, element j in bits 4j .. 4j+3 (round to nearest).
+__device__ __forceinline__ uint32_t e2m1x8(const float* v, float g) {
+    uint32_t w = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float y = __fmul_rn(v[j], g);
+        w |= (e2m1_magnitude(y) << (4 * j)) | (e2m1_negative(y) ? 8u << (4 * j) : 0u);
+    }
+    return w;
 }
 
 __device__ __forceinline__ float e2m1_step(float v) { return v < 2.0f ? 0.5f : (v < 4.0f ? 1.0f : 2.0f); }
@@ -152,6 +168,125 @@ struct Nvfp4Args {
     int two_d, rht, swizzled, sr;
     u64 seed, off_row, off_col;  // stochastic-rounding streams
 };
+
+// ---- 1-D round to nearest without the RHT: the common cases, one entry point each -------
+
+// Rowwise only. A CTA of 256 threads covers 16 rows x 256*B columns, thread t row t/16 and
+// the B consecutive 1x16 blocks from column (t%16)*16*B, loaded before any is quantized
+// (B*32 bytes of bf16 in flight per thread); a warp reads two runs of 512*B contiguous
+// bytes. 1-D grid over (m/16) x col_tiles, column tiles fastest. No shared memory, no
+// barrier, no shuffle. m and k are multiples of 16, so a block is all in or all out.
+template <class T, int B>
+__device__ void nvfp4_row_impl(const T* __restrict__ x, u64 m, u64 k, const float* __restrict__ amax,
+                               uint8_t* __restrict__ q, uint8_t* __restrict__ s, u64 s_cols, int swizzled,
+                               u64 col_tiles) {
+    const int t = threadIdx.x;
+    const u64 ct = blockIdx.x % col_tiles, rt = blockIdx.x / col_tiles;
+    const u64 row = rt * 16 + t / 16;
+    const u64 c0 = ct * (256 * B) + (u64)(t % 16) * (16 * B);
+    float v[B][16];
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+        if (c0 + 16 * b < k) load16<T>(x + row * k + c0 + 16 * b, v[b]);
+    const float s_enc = global_encode_scale(amax[0]);
+    const float s_dec = __frcp_rn(s_enc);
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+        const u64 col = c0 + 16 * b;
+        if (col >= k) return;
+        float a = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) a = fmaxf(a, fabsf(v[b][j]));
+        const uint8_t e = block_scale(a, s_enc);
+        const float g = block_encode_scale(e, s_dec);
+        reinterpret_cast<uint2*>(q + row * (k / 2) + col / 2)[0] = make_uint2(e2m1x8(v[b], g), e2m1x8(v[b] + 8, g));
+        const u64 j = col / 16;
+        s[swizzled ? swizzled_index(row, j, s_cols) : row * s_cols + j] = e;
+    }
+}
+
+// Both orientations (either may be null). Each warp quantizes a 32-row x 64-column tile
+// alone, with no shared memory or barrier: lane l owns columns 8*(l%8) .. +7 of rows
+// 8*(l/8) .. +7, loaded as 16-byte vectors (one instruction covers 4 rows x 128 bytes). A
+// 1x16 row block spans the lane pair (xor 1), a 16x1 column block the pair (xor 8); each
+// lane encodes its 8 values of a block into one 32-bit word. A CTA of 8 warps covers 64
+// rows x 256 columns (grid: ceil(m/64) x ceil(k/256)). Every block is quantized and stored
+// as soon as its amax is known, so only the tile stays live (about 80 registers for bf16).
+template <class T>
+__device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
+    constexpr int W = 8 * (int)sizeof(T) / 16;  // 16-byte vectors per run of 8 elements
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int cg = lane & 7, g = lane >> 3;
+    const u64 r0 = (u64)blockIdx.x * 64 + 32 * (warp / 4) + 8 * g;  // the lane's first row
+    const u64 col = (u64)blockIdx.y * 256 + 64 * (warp % 4) + 8 * cg;  // and first column
+    // m, k multiples of 16: both lanes of a pair are in or out together, so the
+    // shuffles below pair valid lanes with valid lanes.
+    const bool valid = r0 < a.m && col < a.k;
+    union {
+        uint4 u[8][W];
+        T e[8][8];
+    } d;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int w = 0; w < W; ++w)
+            d.u[i][w] = valid ? reinterpret_cast<const uint4*>(x + (r0 + i) * a.k + col)[w] : make_uint4(0u, 0u, 0u, 0u);
+    if (a.q_col != nullptr) {
+        const float s_enc = global_encode_scale(a.amax_col[0]);
+        const float s_dec = __frcp_rn(s_enc);
+        const u64 ib = r0 / 16;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            float v[8];
+            float amax = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                v[i] = In<T>::f32(d.e[i][j]);
+                amax = fmaxf(amax, fabsf(v[i]));
+            }
+            amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 8));
+            const uint8_t e = block_scale(amax, s_enc);
+            if (valid) {
+                const u64 c = col + j;
+                *reinterpret_cast<uint32_t*>(a.q_col + c * (a.m / 2) + r0 / 2) = e2m1x8(v, block_encode_scale(e, s_dec));
+                if ((g & 1) == 0) a.s_col[a.swizzled ? swizzled_index(c, ib, a.s_col_cols) : c * a.s_col_cols + ib] = e;
+            }
+        }
+    }
+    if (a.q_row != nullptr) {
+        const float s_enc = global_encode_scale(a.amax_row[0]);
+        const float s_dec = __frcp_rn(s_enc);
+        const u64 jb = col / 16;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            float v[8];
+            float amax = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                v[j] = In<T>::f32(d.e[i][j]);
+                amax = fmaxf(amax, fabsf(v[j]));
+            }
+            amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+            const uint8_t e = block_scale(amax, s_enc);
+            if (valid) {
+                const u64 r = r0 + i;
+                *reinterpret_cast<uint32_t*>(a.q_row + r * (a.k / 2) + col / 2) = e2m1x8(v, block_encode_scale(e, s_dec));
+                if ((cg & 1) == 0) a.s_row[a.swizzled ? swizzled_index(r, jb, a.s_row_cols) : r * a.s_row_cols + jb] = e;
+            }
+        }
+    }
+}
+
+#ifndef NVFP4_ROW_BLOCKS
+#define NVFP4_ROW_BLOCKS 2
+#endif
+// CTAs per SM the both kernel is compiled for with 2-byte inputs (f32 inputs: 2, whose
+// 64-value tile needs about 128 registers).
+#ifndef NVFP4_BOTH_MINB
+#define NVFP4_BOTH_MINB 3
+#endif
+
+// ---- every option: 2-D tiles, the RHT, stochastic rounding ------------------------------
 
 // One CTA per 64x64 tile (grid: ceil(m/64) x ceil(k/64), 256 threads). Rowwise: thread t
 // owns row t/4 and columns (t%4)*16 .. +16 (one 1x16 block). Columnwise: thread t owns
@@ -268,6 +403,16 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
     extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_rht_amax_##SUFFIX(           \
         const T* __restrict__ x, u64 m, u64 k, float* out) {                                     \
         rht_amax_impl<T>(x, m, k, out);                                                          \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_row_##SUFFIX(                \
+        const T* __restrict__ x, u64 m, u64 k, const float* amax, uint8_t* q, uint8_t* s,        \
+        u64 s_cols, int swizzled, u64 col_tiles) {                                               \
+        nvfp4_row_impl<T, NVFP4_ROW_BLOCKS>(x, m, k, amax, q, s, s_cols, swizzled, col_tiles);   \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : NVFP4_BOTH_MINB)       \
+        tessera_nvfp4_both_##SUFFIX(                                                             \
+        const T* __restrict__ x, const Nvfp4Args a) {                                            \
+        nvfp4_both_impl<T>(x, a);                                                                \
     }
 NVFP4(f32, float)
 NVFP4(bf16, __nv_bfloat16)

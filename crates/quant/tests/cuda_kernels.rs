@@ -615,6 +615,10 @@ fn nvfp4_matches_the_cpu() {
         &[2, 24, 32],
         &[128, 256],
         &[144, 16],
+        // Several full tiles of the 1-D kernels (16x512 rowwise, 64x256 both) and a ragged
+        // last one in each direction.
+        &[272, 1040],
+        &[48, 4112],
     ];
     let mut seed = 1300;
     for &shape in shapes {

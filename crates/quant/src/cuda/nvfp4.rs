@@ -2,12 +2,16 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{DevicePtr, DeviceRepr, PushKernelArg};
+use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use tessera_core::cuda::{CudaDevice, grid_1d};
-use tessera_core::{DType, Device, Result, Tensor};
+use tessera_core::{DType, Device, Error, Result, Tensor};
 use tessera_rng::Generator;
 
 use super::{BLOCK, NVFP4_PTX, Outputs, device_of, dtype_suffix, launch, tile_grid};
+
+/// The 1x16 blocks each thread of the rowwise kernel quantizes (`NVFP4_ROW_BLOCKS` in
+/// kernels/nvfp4.cu).
+const ROW_BLOCKS: usize = 2;
 use crate::values::check_input;
 use crate::{AmaxReduction, BufferName, QuantizedTensor};
 
@@ -137,20 +141,70 @@ pub(crate) fn quantize_into(
         off_row,
         off_col,
     };
-    let cfg = tile_grid(OP, m, k, 64, 64)?;
-    let f = dev.function(
-        &NVFP4_PTX,
-        &format!("tessera_nvfp4_{}", dtype_suffix(OP, x.dtype())?),
-    )?;
-    // SAFETY: (const T* x, Nvfp4Args a): x is [m, k] with m, k multiples of 16 (checked
-    // by the quantizer); the argument's pointers address live buffers of `out` (data
-    // [m, k/2] and [k, m/2] bytes, the padded scale grids) and the amax scalars, all of
-    // which outlive the launch on this stream; null pointers mark absent usages.
-    unsafe {
-        launch(&dev, &f, cfg, OP, |b| {
-            b.arg(x.cuda_slice().expect("device tensor")).arg(&args);
-        })
-    }?;
+    let sfx = dtype_suffix(OP, x.dtype())?;
+    // 1-D round to nearest without the RHT has its own entry points; 2-D tiles, the RHT
+    // and stochastic rounding take the general kernel.
+    let plain = !two_d && !rht && !sr;
+    if plain && !usage.columnwise() {
+        let col_tiles = k.div_ceil(256 * ROW_BLOCKS);
+        let blocks = (m / 16) * col_tiles;
+        if blocks > i32::MAX as usize {
+            return Err(Error::shape(
+                OP,
+                format!(
+                    "[{m}, {k}] needs {blocks} thread blocks of 16 x {} values; at most {} fit \
+                     in one launch",
+                    256 * ROW_BLOCKS,
+                    i32::MAX
+                ),
+            ));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = dev.function(&NVFP4_PTX, &format!("tessera_nvfp4_row_{sfx}"))?;
+        let (mu, ku, tiles) = (m as u64, k as u64, col_tiles as u64);
+        // SAFETY: (const T* x, u64 m, u64 k, const float* amax, u8* q, u8* s, u64 s_cols,
+        // int swizzled, u64 col_tiles): x is [m, k] with m, k multiples of 16 (checked by
+        // the quantizer); q addresses the live [m, k/2] data buffer of `out`, s its padded
+        // [rows, s_cols] scale grid, amax a live f32 scalar; all outlive the launch on
+        // this stream, and the grid covers (m / 16) x col_tiles tiles exactly.
+        unsafe {
+            launch(&dev, &f, cfg, OP, |b| {
+                b.arg(x.cuda_slice().expect("device tensor"))
+                    .arg(&mu)
+                    .arg(&ku)
+                    .arg(&args.amax_row)
+                    .arg(&args.q_row)
+                    .arg(&args.s_row)
+                    .arg(&args.s_row_cols)
+                    .arg(&args.swizzled)
+                    .arg(&tiles);
+            })
+        }?;
+    } else {
+        let (name, cfg) = if plain {
+            (
+                format!("tessera_nvfp4_both_{sfx}"),
+                tile_grid(OP, m, k, 64, 256)?,
+            )
+        } else {
+            (format!("tessera_nvfp4_{sfx}"), tile_grid(OP, m, k, 64, 64)?)
+        };
+        let f = dev.function(&NVFP4_PTX, &name)?;
+        // SAFETY: (const T* x, Nvfp4Args a) for both entry points: x is [m, k] with m, k
+        // multiples of 16 (checked by the quantizer); the argument's pointers address live
+        // buffers of `out` (data [m, k/2] and [k, m/2] bytes, the padded scale grids) and
+        // the amax scalars, all of which outlive the launch on this stream; null pointers
+        // mark absent usages; the grid's tiles (64x256 or 64x64) cover [m, k].
+        unsafe {
+            launch(&dev, &f, cfg, OP, |b| {
+                b.arg(x.cuda_slice().expect("device tensor")).arg(&args);
+            })
+        }?;
+    }
     let put_amax = |out: &mut QuantizedTensor, name, a: &Tensor| -> Result<()> {
         if out.buffer(name).is_some() {
             out.take_buffer(name)?;
