@@ -11,8 +11,8 @@ use std::fmt::Write as _;
 use tessera_core::cuda::{CudaDevice, EventTimer, device};
 use tessera_core::{DType, Device, Result, Shape, Tensor, bf16};
 use tessera_quant::{
-    BlockDim, Fp8BlockQuantizer, Fp8CurrentScaling, Fp8DelayedScaling, Fp8Format, Mxfp8Quantizer,
-    Nvfp4Quantizer, QuantizedTensor, Quantizer, Usage,
+    BlockDim, BufferName, Fp8BlockQuantizer, Fp8CurrentScaling, Fp8DelayedScaling, Fp8Format,
+    Mxfp8Quantizer, Nvfp4Quantizer, QuantizedTensor, Quantizer, Usage,
 };
 use tessera_rng::Generator;
 
@@ -194,16 +194,58 @@ fn main() -> Result<()> {
                 .with_stochastic_rounding(Some(Generator::new(3))),
             true,
         )?;
-        let mut q = Mxfp8Quantizer::new(e4).with_usage(Usage::Rowwise);
-        let qt = q.quantize(&x)?;
-        let ms = time(&dev, b.iters, || qt.dequantize(DType::BF16).map(drop))?;
-        b.rows.push(Row {
-            shape: shape.to_string(),
-            name: "mxfp8 dequantize rowwise".into(),
-            ms,
-            bytes: qt.size_in_bytes() + x.size_in_bytes(),
-            floor_bytes: qt.size_in_bytes() + x.size_in_bytes(),
-        });
+        // Dequantization to bf16 of each orientation (allocating the output, as
+        // `dequantize_usage` does): the orientation's data and scales read, bf16 written.
+        let dequantized: [(&str, QuantizedTensor); 4] = [
+            (
+                "fp8 current scaling",
+                Fp8CurrentScaling::new(e4)
+                    .with_usage(Usage::Both)
+                    .quantize(&x)?,
+            ),
+            (
+                "mxfp8",
+                Mxfp8Quantizer::new(e4)
+                    .with_usage(Usage::Both)
+                    .quantize(&x)?,
+            ),
+            (
+                "fp8 block 1x128",
+                Fp8BlockQuantizer::new(e4, BlockDim::OneD)
+                    .with_usage(Usage::Both)
+                    .quantize(&x)?,
+            ),
+            (
+                "nvfp4",
+                Nvfp4Quantizer::new().with_usage(Usage::Both).quantize(&x)?,
+            ),
+        ];
+        for (name, qt) in &dequantized {
+            for (usage, data, scales) in [
+                (Usage::Rowwise, BufferName::Data, BufferName::ScaleInv),
+                (
+                    Usage::Columnwise,
+                    BufferName::ColumnwiseData,
+                    BufferName::ColumnwiseScaleInv,
+                ),
+            ] {
+                let read: usize = [data, scales]
+                    .iter()
+                    .filter_map(|n| qt.buffer(*n).map(Tensor::size_in_bytes))
+                    .sum();
+                let bytes = read + x.size_in_bytes();
+                let ms = time(&dev, b.iters, || {
+                    qt.dequantize_usage(usage, DType::BF16).map(drop)
+                })?;
+                b.rows.push(Row {
+                    shape: shape.to_string(),
+                    name: format!("{name} dequantize {}", usage.name()),
+                    ms,
+                    bytes,
+                    floor_bytes: bytes,
+                });
+            }
+        }
     }
     println!(
         "{} (sm_{}{})",

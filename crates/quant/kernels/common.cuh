@@ -74,6 +74,23 @@ template <bool E4M3> __device__ __forceinline__ float fp8_to_f32(uint8_t b) {
     return __half2float(__ushort_as_half((unsigned short)(h & 0xFFFF)));
 }
 
+// 16 FP8 bytes (byte j of the vector is element j) to floats, two per conversion.
+template <bool E4M3> __device__ __forceinline__ void fp8x16_to_f32(uint4 raw, float* v) {
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int p = 0; p < 8; ++p) {
+        uint32_t h;
+        const uint16_t in = (uint16_t)(w[p / 2] >> (16 * (p % 2)));
+        if (E4M3) {
+            asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(in));
+        } else {
+            asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h) : "h"(in));
+        }
+        v[2 * p] = __half2float(__ushort_as_half((unsigned short)(h & 0xFFFF)));
+        v[2 * p + 1] = __half2float(__ushort_as_half((unsigned short)(h >> 16)));
+    }
+}
+
 // ---- reductions ----------------------------------------------------------------------
 
 // NaN-ignoring max (fmaxf returns the other operand when one is NaN).
@@ -156,6 +173,18 @@ template <class T> __device__ __forceinline__ void load16(const T* p, float* v) 
     for (int l = 0; l < L; ++l) b.u[l] = reinterpret_cast<const uint4*>(p)[l];
 #pragma unroll
     for (int j = 0; j < 16; ++j) v[j] = In<T>::f32(b.e[j]);
+}
+
+// Stores 16 floats as consecutive elements of T at p (16-byte aligned), rounding to
+// nearest even.
+template <class T> __device__ __forceinline__ void store16(T* p, const float* v) {
+    constexpr int V = 16 / sizeof(T);
+    constexpr int L = 16 / V;
+    union { uint4 u[L]; T e[16]; } b;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) b.e[j] = In<T>::from(v[j]);
+#pragma unroll
+    for (int l = 0; l < L; ++l) reinterpret_cast<uint4*>(p)[l] = b.u[l];
 }
 
 // Loads 4 consecutive elements of T starting at p (aligned to 4 elements) as floats.

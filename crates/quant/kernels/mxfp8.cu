@@ -218,22 +218,32 @@ MXFP8(f16, __half, e4m3, true)
 MXFP8(f16, __half, e5m2, false)
 
 // Dequantization of rowwise (col = 0) or columnwise (col = 1) MXFP8 data [m, k] with a
-// compact or swizzled scale buffer; one thread per element.
+// compact or swizzled scale buffer. Thread per run of 16 elements of a row (k % 32 == 0,
+// so a run stays inside one 1x32 block): one 16-byte load, 16-byte stores; one scale
+// rowwise, the 16 columns' scales columnwise.
 template <class T, bool E4M3>
 __device__ void mxfp8_dequant_impl(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                    T* __restrict__ y, u64 m, u64 k, u64 s_rows, u64 s_cols,
                                    int col, int swizzled) {
-    const u64 n = m * k;
+    const u64 runs = m * k / 16;
     const u64 stride = (u64)gridDim.x * blockDim.x;
-    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += stride) {
-        const u64 r = e / k, c = e % k;
-        u64 si;
+    for (u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x; g < runs; g += stride) {
+        const u64 r = 16 * g / k, c = 16 * g % k;
+        float v[16];
+        fp8x16_to_f32<E4M3>(reinterpret_cast<const uint4*>(q)[g], v);
         if (col) {
-            si = swizzled ? swizzled_index(c, r / 32, s_rows) : (r / 32) * s_cols + c;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const u64 cj = c + j;
+                const u64 si = swizzled ? swizzled_index(cj, r / 32, s_rows) : (r / 32) * s_cols + cj;
+                v[j] = v[j] * e8m0_value(s[si]);
+            }
         } else {
-            si = swizzled ? swizzled_index(r, c / 32, s_cols) : r * s_cols + c / 32;
+            const float sc = e8m0_value(s[swizzled ? swizzled_index(r, c / 32, s_cols) : r * s_cols + c / 32]);
+#pragma unroll
+            for (int j = 0; j < 16; ++j) v[j] = v[j] * sc;
         }
-        y[e] = In<T>::from(fp8_to_f32<E4M3>(q[e]) * e8m0_value(s[si]));
+        store16<T>(y + 16 * g, v);
     }
 }
 

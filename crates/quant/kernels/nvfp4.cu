@@ -36,37 +36,48 @@ __device__ __forceinline__ uint32_t random_byte(uint4 r, int j) {
 
 // ---- E2M1 -----------------------------------------------------------------------------
 
-// The E2M1 magnitude code of |x| (0 .. 7): RNE, satfinite to 6, NaN -> 7. One exact
-// float32 addition rounds: a = min(|x|, 6) (NaN -> 6, as min.f32 returns the other
-// operand), p = 2^floor(log2(max(a, 1))) in {1, 2, 4}, the E2M1 step in [p, 2p) (and, for
-// p = 1, below 1) is p/2, which is the ulp of M = p * 2^22; so the bits of a + M minus
-// those of M count the steps, rounded to nearest even, and the code is that count plus
-// 2 log2 p (even, so ties still go to the even code). Checked against the threshold
-// count (> 0.25, >= 0.75, > 1.25, >= 1.75, > 2.5, >= 3.5, > 5) on all 2^32 inputs.
-__device__ __forceinline__ uint32_t e2m1_magnitude(float x) {
-    const float a = fminf(fabsf(x), 6.0f);
-    const uint32_t p = max(__float_as_uint(a), 0x3F800000u) & 0x7F800000u;  // bits of p
-    const uint32_t m = p + (22u << 23);                                        // bits of M
-    return (__float_as_uint(__fadd_rn(a, __uint_as_float(m))) - m) + ((p >> 22) - 254u);
+// E2M1 on the GPU's FMA pipe (the integer/compare pipe runs at half the issue rate and
+// bounds these kernels). The code of a = |x| (0 .. 7, RNE, satfinite to 6, NaN -> 7) is the
+// least of three roundings, each one exact float32 operation that leaves rne(.) in the
+// low bits of a number in [2^23, 2^24): 2a (the 0.5-step grid below 2), a + 2 (the 1-step
+// grid of [2, 4) shifted to codes 4 .. 6), a/2 + 4 (the 2-step grid from 4 shifted to
+// codes 6, 7), and 7 (saturation; also what min.f32 returns when the others are NaN).
+// The lines 2a, a + 2 and a/2 + 4 meet where the grids do, so their minimum is the
+// concave code curve, and each grid's ties fall on even codes. Returns the float bits of
+// the minimum: 2^23's bits (0x4B000000) plus the code. Checked against the threshold
+// count (> 0.25, >= 0.75, > 1.25, >= 1.75, > 2.5, >= 3.5, > 5) on all 2^32 inputs
+// (bench/cuda/e2m1_check.cpp).
+__device__ __forceinline__ uint32_t e2m1_biased(float x) {
+    const float a = fabsf(x);
+    const float k = 8388608.0f;  // 2^23
+    const float f0 = __fmaf_rn(a, 2.0f, k);
+    const float f1 = __fadd_rn(a, k + 2.0f);
+    const float f2 = __fmaf_rn(a, 0.5f, k + 4.0f);
+    return __float_as_uint(fminf(fminf(f0, f1), fminf(f2, k + 7.0f)));
 }
 
-// Whether x takes the sign bit: negative, zero included, and not NaN (NaN -> +6).
+// Whether x takes the sign bit: negative, zero included, and not NaN (NaN -> +6). As
+// signed integers, exactly the float bits from -0 (INT_MIN) to -Inf (0xFF800000) are at
+// most 0xFF800000; negative NaNs are above it and non-negative floats far above.
 __device__ __forceinline__ bool e2m1_negative(float x) {
-    return (int32_t)__float_as_uint(x) < 0 && fabsf(x) <= INFINITY;
+    return (int32_t)__float_as_uint(x) <= (int32_t)0xFF800000u;
 }
 
 // RNE, satfinite to +-6, NaN -> 7 (+6), sign of zero kept.
-__device__ __forceinline__ uint32_t e2m1(float x) { return e2m1_magnitude(x) | (e2m1_negative(x) ? 8u : 0u); }
+__device__ __forceinline__ uint32_t e2m1(float x) { return (e2m1_biased(x) - 0x4B000000u) | (e2m1_negative(x) ? 8u : 0u); }
 
-// 8 values times g to 8 E2M1 codes, element j in bits 4j .. 4j+3 (round to nearest).
+// 8 values times g to 8 E2M1 codes, element j in bits 4j .. 4j+3 (round to nearest). The
+// biased codes are summed shifted (multiply-adds, modulo 2^32) and the bias of all eight
+// taken off once: no field carries, as a code plus its sign is at most 15.
 __device__ __forceinline__ uint32_t e2m1x8(const float* v, float g) {
     uint32_t w = 0;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const float y = __fmul_rn(v[j], g);
-        w |= (e2m1_magnitude(y) << (4 * j)) | (e2m1_negative(y) ? 8u << (4 * j) : 0u);
+        w += e2m1_biased(y) << (4 * j);
+        w += e2m1_negative(y) ? 8u << (4 * j) : 0u;
     }
-    return w;
+    return w - 0x4B000000u * 0x11111111u;
 }
 
 __device__ __forceinline__ float e2m1_step(float v) { return v < 2.0f ? 0.5f : (v < 4.0f ? 1.0f : 2.0f); }
@@ -82,10 +93,11 @@ __device__ __forceinline__ uint32_t e2m1_sr(float x, uint32_t r8) {
     return (signbit(x) ? 8u : 0u) | e2m1(v);
 }
 
+// The value of an E2M1 code, exactly: the code's bits placed at float32 bit 22 read as a
+// float (exponent field = code's exponent, top mantissa bit = its mantissa; code 1 is the
+// subnormal 2^-127) are the value times 2^-126.
 __device__ __forceinline__ float e2m1_value(uint32_t code) {
-    const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-    const float v = mag[code & 7];
-    return (code & 8) ? -v : v;
+    return __fmul_rn(__uint_as_float(((code & 7u) << 22) | ((code & 8u) << 28)), __uint_as_float(0x7E800000u));
 }
 
 // ---- scales ---------------------------------------------------------------------------
@@ -420,8 +432,8 @@ NVFP4(f16, __half)
 
 // ---- dequantize -------------------------------------------------------------------------
 
-// value = e2m1 * ((e4m3 * A) * fp32(1/2688)). Rowwise (col = 0): thread per element of
-// [m, k]. Columnwise (col = 1): thread per run of 16 along m of one column k, inverse RHT
+// value = e2m1 * ((e4m3 * A) * fp32(1/2688)). Rowwise (col = 0): thread per 1x16 block
+// of [m, k]. Columnwise (col = 1): thread per run of 16 along m of one column k, inverse RHT
 // when rht, written to y[m, k].
 template <class T>
 __device__ void nvfp4_dequant_impl(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
@@ -430,13 +442,16 @@ __device__ void nvfp4_dequant_impl(const uint8_t* __restrict__ q, const uint8_t*
     const float A = amax[0];
     const u64 stride = (u64)gridDim.x * blockDim.x;
     if (!col) {
-        for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < m * k; e += stride) {
-            const u64 r = e / k, c = e % k;
-            const uint8_t byte = q[e / 2];
-            const uint32_t code = (e % 2) ? (byte >> 4) : (byte & 0xF);
+        // Thread per 1x16 block: one 8-byte load, 16-byte stores.
+        for (u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x; g < m * k / 16; g += stride) {
+            const u64 r = 16 * g / k, c = 16 * g % k;
+            const uint2 w = reinterpret_cast<const uint2*>(q)[g];
             const u64 si = swizzled ? swizzled_index(r, c / 16, s_cols) : r * s_cols + c / 16;
             const float sc = __fmul_rn(__fmul_rn(fp8_to_f32<true>(s[si]), A), 1.0f / 2688.0f);
-            y[e] = In<T>::from(__fmul_rn(e2m1_value(code), sc));
+            float v[16];
+#pragma unroll
+            for (int j = 0; j < 16; ++j) v[j] = __fmul_rn(e2m1_value(((j < 8 ? w.x : w.y) >> (4 * (j % 8))) & 0xFu), sc);
+            store16<T>(y + 16 * g, v);
         }
         return;
     }
@@ -445,13 +460,12 @@ __device__ void nvfp4_dequant_impl(const uint8_t* __restrict__ q, const uint8_t*
         const u64 c = i % k, run = i / k;
         const u64 si = swizzled ? swizzled_index(c, run, s_cols) : c * s_cols + run;
         const float sc = __fmul_rn(__fmul_rn(fp8_to_f32<true>(s[si]), A), 1.0f / 2688.0f);
+        // The run is the 16-element block at element c * m + 16 * run of the transposed
+        // operand: 8 bytes, 8-byte aligned (m % 16 == 0).
+        const uint2 w = reinterpret_cast<const uint2*>(q)[(c * m) / 16 + run];
         float v[16], o[16];
 #pragma unroll
-        for (int t = 0; t < 16; ++t) {
-            const u64 el = c * m + run * 16 + t;  // element of the transposed operand
-            const uint8_t byte = q[el / 2];
-            v[t] = __fmul_rn(e2m1_value((el % 2) ? (byte >> 4) : (byte & 0xF)), sc);
-        }
+        for (int t = 0; t < 16; ++t) v[t] = __fmul_rn(e2m1_value(((t < 8 ? w.x : w.y) >> (4 * (t % 8))) & 0xFu), sc);
         if (rht) {
             inverse_rht16(v, o);
         } else {

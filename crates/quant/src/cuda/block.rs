@@ -119,6 +119,8 @@ pub(crate) fn dequantize(
         (BlockDim::TwoD, true) => 3,
     };
     let a = [m as u64, k as u64, s.shape().dims()[1] as u64];
+    // Thread per run of 16 stored bytes where runs fit the stored rows, else per element
+    // (grid-stride either way).
     let cfg = grid_1d(&dev, m * k, BLOCK)?;
     let ys = y.cuda_slice_mut()?;
     // SAFETY: (const u8* q, const float* s, T* y, u64 m, u64 k, u64 s_cols, int mode): q

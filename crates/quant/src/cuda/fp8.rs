@@ -178,7 +178,8 @@ pub(crate) fn dequantize(
         ),
     )?;
     let n = q.numel() as u64;
-    let cfg = grid_1d(&dev, q.numel(), BLOCK)?;
+    // Thread per 16 elements; at least 16 threads for the last n % 16.
+    let cfg = grid_1d(&dev, (q.numel() / 16).max(16), BLOCK)?;
     let ys = y.cuda_slice_mut()?;
     // SAFETY: (const u8* q, T* y, u64 n, const float* scale_inv): q n bytes, y n elements
     // of T, scale_inv one float.

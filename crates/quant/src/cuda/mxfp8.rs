@@ -106,7 +106,8 @@ pub(crate) fn dequantize(
         s.shape().dims()[1] as u64,
     ];
     let (col, swz) = (i32::from(columnwise), i32::from(swizzled));
-    let cfg = grid_1d(&dev, m * k, BLOCK)?;
+    // Thread per run of 16 elements (k % 32 == 0).
+    let cfg = grid_1d(&dev, m * k / 16, BLOCK)?;
     let ys = y.cuda_slice_mut()?;
     // SAFETY: (const u8* q, const u8* s, T* y, u64 m, u64 k, u64 s_rows, u64 s_cols, int
     // col, int swizzled): q [m, k], s its padded grid, y [m, k] of T.

@@ -249,7 +249,9 @@ pub(crate) fn dequantize(
     )?;
     let dims = [m as u64, k as u64, s.shape().dims()[1] as u64];
     let flags = [i32::from(columnwise), i32::from(rht), i32::from(swizzled)];
-    let units = if columnwise { (m / 16) * k } else { m * k };
+    // Thread per 16 elements: a 1x16 block rowwise, a run of 16 rows of a column
+    // columnwise.
+    let units = m * k / 16;
     let cfg = grid_1d(&dev, units, BLOCK)?;
     let ys = y.cuda_slice_mut()?;
     // SAFETY: (const u8* q, const u8* s, const float* amax, T* y, u64 m, u64 k, u64
