@@ -12,16 +12,8 @@
 #include <vector>
 
 #include "fp8.cu"
+#include "harness.cuh"
 #include "nvfp4.cu"
-
-#define CK(x)                                                                          \
-    do {                                                                               \
-        cudaError_t e = (x);                                                           \
-        if (e != cudaSuccess) {                                                        \
-            std::printf("CUDA error %s at line %d\n", cudaGetErrorString(e), __LINE__); \
-            std::exit(1);                                                              \
-        }                                                                              \
-    } while (0)
 
 // ---- variants of the shipped kernels' parameters -------------------------------------
 
@@ -34,36 +26,6 @@ __global__ void __launch_bounds__(256) row_var(const __nv_bfloat16* __restrict__
 template <int MINB>
 __global__ void __launch_bounds__(256, MINB) both_var(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
     nvfp4_both_impl<__nv_bfloat16>(x, a);
-}
-
-// ---- harness ----------------------------------------------------------------------------
-
-template <class F> static float time_ms(F launch) {
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    for (int i = 0; i < 3; ++i) launch();
-    std::vector<float> t;
-    for (int s = 0; s < 15; ++s) {
-        CK(cudaEventRecord(a));
-        for (int i = 0; i < 10; ++i) launch();
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        t.push_back(ms / 10);
-    }
-    CK(cudaGetLastError());
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-}
-
-static uint64_t fnv(const void* d, size_t n) {
-    std::vector<uint8_t> h(n);
-    CK(cudaMemcpy(h.data(), d, n, cudaMemcpyDeviceToHost));
-    uint64_t x = 1469598103934665603ull;
-    for (uint8_t b : h) x = (x ^ b) * 1099511628211ull;
-    return x;
 }
 
 static void run_shape(u64 M, u64 K, int normal) {

@@ -16,44 +16,9 @@
 #include "mxfp8.cu"
 #include "nvfp4.cu"
 
-#define CK(x)                                                                          \
-    do {                                                                               \
-        cudaError_t e = (x);                                                           \
-        if (e != cudaSuccess) {                                                        \
-            std::printf("CUDA error %s at line %d\n", cudaGetErrorString(e), __LINE__); \
-            std::exit(1);                                                              \
-        }                                                                              \
-    } while (0)
+#include "harness.cuh"
 
 static const u64 M = 16384, K = 8192;
-
-template <class F> static float time_ms(F launch) {
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    for (int i = 0; i < 3; ++i) launch();
-    std::vector<float> t;
-    for (int s = 0; s < 15; ++s) {
-        CK(cudaEventRecord(a));
-        for (int i = 0; i < 10; ++i) launch();
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        t.push_back(ms / 10);
-    }
-    CK(cudaGetLastError());
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-}
-
-static uint64_t fnv(const void* d, size_t n) {
-    std::vector<uint8_t> h(n);
-    CK(cudaMemcpy(h.data(), d, n, cudaMemcpyDeviceToHost));
-    uint64_t x = 1469598103934665603ull;
-    for (uint8_t b : h) x = (x ^ b) * 1099511628211ull;
-    return x;
-}
 
 static double copy_gbs;
 

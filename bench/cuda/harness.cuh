@@ -1,0 +1,46 @@
+// Shared by the kernel-variant harnesses in this folder (not shipped): error checks, a
+// CUDA-event timer (median of 15 samples of 10 back-to-back launches after 3 warm-ups)
+// and an FNV-1a hash of device bytes, to compare variants' outputs byte for byte.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CK(x)                                                                          \
+    do {                                                                               \
+        cudaError_t e = (x);                                                           \
+        if (e != cudaSuccess) {                                                        \
+            std::printf("CUDA error %s at line %d\n", cudaGetErrorString(e), __LINE__); \
+            std::exit(1);                                                              \
+        }                                                                              \
+    } while (0)
+
+template <class F> static float time_ms(F launch) {
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    for (int i = 0; i < 3; ++i) launch();
+    std::vector<float> t;
+    for (int s = 0; s < 15; ++s) {
+        CK(cudaEventRecord(a));
+        for (int i = 0; i < 10; ++i) launch();
+        CK(cudaEventRecord(b));
+        CK(cudaEventSynchronize(b));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        t.push_back(ms / 10);
+    }
+    CK(cudaGetLastError());
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+}
+
+static uint64_t fnv(const void* d, size_t n) {
+    std::vector<uint8_t> h(n);
+    CK(cudaMemcpy(h.data(), d, n, cudaMemcpyDeviceToHost));
+    uint64_t x = 1469598103934665603ull;
+    for (uint8_t b : h) x = (x ^ b) * 1099511628211ull;
+    return x;
+}
