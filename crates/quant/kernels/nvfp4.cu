@@ -188,30 +188,66 @@ struct Nvfp4Args {
 // (B*32 bytes of bf16 in flight per thread); a warp reads two runs of 512*B contiguous
 // bytes. 1-D grid over (m/16) x col_tiles, column tiles fastest. No shared memory, no
 // barrier, no shuffle. m and k are multiples of 16, so a block is all in or all out.
+template <class T> struct Pair;
+template <> struct Pair<__nv_bfloat16> { using type = __nv_bfloat162; };
+template <> struct Pair<__half> { using type = __half2; };
+
+// |x| of the two elements of a raw word of 2-byte T.
+template <class T> __device__ __forceinline__ typename Pair<T>::type abs2(uint32_t w) {
+    return __habs2(*reinterpret_cast<const typename Pair<T>::type*>(&w));
+}
+
+// The NaN-ignoring max of |x| over E consecutive elements of T given as their raw 32-bit
+// words (0 when every one is NaN), equal to the fmaxf chain over the floats. For 2-byte
+// types one packed |.| and max per two values (__hmax2 returns the non-NaN operand, as
+// fmaxf does, and the max of exactly converted values is the converted max), which
+// saves slots on the integer pipe, the NVFP4 kernels' bound.
+template <class T, int E> __device__ __forceinline__ float amax_of(const uint32_t* w) {
+    if constexpr (sizeof(T) == 4) {
+        float a = 0.0f;
+#pragma unroll
+        for (int i = 0; i < E; ++i) a = fmaxf(a, fabsf(__uint_as_float(w[i])));
+        return a;
+    } else {
+        auto mx = abs2<T>(w[0]);
+#pragma unroll
+        for (int i = 1; i < E / 2; ++i) mx = __hmax2(mx, abs2<T>(w[i]));
+        return fmaxf(fmaxf(0.0f, In<T>::f32(mx.x)), In<T>::f32(mx.y));
+    }
+}
+
 template <class T, int B>
 __device__ void nvfp4_row_impl(const T* __restrict__ x, u64 m, u64 k, const float* __restrict__ amax,
                                uint8_t* __restrict__ q, uint8_t* __restrict__ s, u64 s_cols, int swizzled,
                                u64 col_tiles) {
+    constexpr int L = (int)sizeof(T);  // 16-byte vectors per 16 elements
     const int t = threadIdx.x;
     const u64 ct = blockIdx.x % col_tiles, rt = blockIdx.x / col_tiles;
     const u64 row = rt * 16 + t / 16;
     const u64 c0 = ct * (256 * B) + (u64)(t % 16) * (16 * B);
-    float v[B][16];
+    union {
+        uint4 u[L];
+        uint32_t w[4 * L];
+        T e[16];
+    } raw[B];
 #pragma unroll
     for (int b = 0; b < B; ++b)
-        if (c0 + 16 * b < k) load16<T>(x + row * k + c0 + 16 * b, v[b]);
+        if (c0 + 16 * b < k)
+#pragma unroll
+            for (int l = 0; l < L; ++l) raw[b].u[l] = reinterpret_cast<const uint4*>(x + row * k + c0 + 16 * b)[l];
     const float s_enc = global_encode_scale(amax[0]);
     const float s_dec = __frcp_rn(s_enc);
 #pragma unroll
     for (int b = 0; b < B; ++b) {
         const u64 col = c0 + 16 * b;
         if (col >= k) return;
-        float a = 0.0f;
+        const float a = amax_of<T, 16>(raw[b].w);
+        float v[16];
 #pragma unroll
-        for (int j = 0; j < 16; ++j) a = fmaxf(a, fabsf(v[b][j]));
+        for (int j = 0; j < 16; ++j) v[j] = In<T>::f32(raw[b].e[j]);
         const uint8_t e = block_scale(a, s_enc);
         const float g = block_encode_scale(e, s_dec);
-        reinterpret_cast<uint2*>(q + row * (k / 2) + col / 2)[0] = make_uint2(e2m1x8(v[b], g), e2m1x8(v[b] + 8, g));
+        reinterpret_cast<uint2*>(q + row * (k / 2) + col / 2)[0] = make_uint2(e2m1x8(v, g), e2m1x8(v + 8, g));
         const u64 j = col / 16;
         s[swizzled ? swizzled_index(row, j, s_cols) : row * s_cols + j] = e;
     }
@@ -236,6 +272,7 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
     const bool valid = r0 < a.m && col < a.k;
     union {
         uint4 u[8][W];
+        uint32_t w[8][4 * W];
         T e[8][8];
     } d;
 #pragma unroll
@@ -247,16 +284,32 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
         const float s_enc = global_encode_scale(a.amax_col[0]);
         const float s_dec = __frcp_rn(s_enc);
         const u64 ib = r0 / 16;
+        // The lane's 8 column amaxes over its 8 rows (2-byte types: word p of a row
+        // holds columns 2p and 2p + 1, reduced as pairs).
+        float ca[8];
+        if constexpr (sizeof(T) == 2) {
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                auto mx = abs2<T>(d.w[0][p]);
+#pragma unroll
+                for (int i = 1; i < 8; ++i) mx = __hmax2(mx, abs2<T>(d.w[i][p]));
+                ca[2 * p] = fmaxf(0.0f, In<T>::f32(mx.x));
+                ca[2 * p + 1] = fmaxf(0.0f, In<T>::f32(mx.y));
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                ca[j] = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) ca[j] = fmaxf(ca[j], fabsf(In<T>::f32(d.e[i][j])));
+            }
+        }
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             float v[8];
-            float amax = 0.0f;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                v[i] = In<T>::f32(d.e[i][j]);
-                amax = fmaxf(amax, fabsf(v[i]));
-            }
-            amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 8));
+            for (int i = 0; i < 8; ++i) v[i] = In<T>::f32(d.e[i][j]);
+            const float amax = fmaxf(ca[j], __shfl_xor_sync(0xFFFFFFFFu, ca[j], 8));
             const uint8_t e = block_scale(amax, s_enc);
             if (valid) {
                 const u64 c = col + j;
@@ -272,12 +325,9 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             float v[8];
-            float amax = 0.0f;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                v[j] = In<T>::f32(d.e[i][j]);
-                amax = fmaxf(amax, fabsf(v[j]));
-            }
+            for (int j = 0; j < 8; ++j) v[j] = In<T>::f32(d.e[i][j]);
+            float amax = amax_of<T, 8>(d.w[i]);
             amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
             const uint8_t e = block_scale(amax, s_enc);
             if (valid) {
