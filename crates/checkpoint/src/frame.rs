@@ -48,7 +48,7 @@ impl Mode {
 /// |---|---|---|
 /// | [`distribute_saved_activations`](Self::distribute_saved_activations) | off | keep the first input as this rank's 1-D shard, all-gather it before recompute |
 /// | [`determinism_check`](Self::determinism_check) | off | compare checksums of the recomputed activations with the forward's |
-/// | [`replay_current_generators`](Self::replay_current_generators) | `[Device::Cpu]` | the per-thread current generators to snapshot and replay |
+/// | [`replay_current_generators`](Self::replay_current_generators) | the CPU and the inputs' devices | the per-thread current generators to snapshot and replay |
 /// | [`context`](Self::context) | none | hooks around the forward and the recompute |
 /// | [`meter`](Self::meter) | none | a shared count of saved bytes |
 ///
