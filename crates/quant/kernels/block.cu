@@ -220,51 +220,19 @@ BLOCK_KERNEL(f16, __half, e5m2, false)
 
 // Dequantization of one orientation; q is [rows, cols] as stored (rowwise [m, k],
 // columnwise [k, m]), y the logical [m, k]. mode: 0 = 1-D rowwise, 1 = 1-D columnwise,
-// 2 = 2-D rowwise, 3 = 2-D columnwise (see block.rs for the scale layouts).
-//
-// A stored run of 16 bytes shares one scale, so when the stored rows are multiples of 16
-// long (k for rowwise, m for columnwise) a thread takes such a run: one 16-byte load, 16
-// conversions with one scale. Rowwise, it writes 16 consecutive outputs; columnwise, one
-// output column's 16 consecutive rows, with neighbouring threads on neighbouring columns
-// so that each of its 16 stores is coalesced across the warp. Otherwise one thread per
-// element.
+// 2 = 2-D rowwise, 3 = 2-D columnwise (see block.rs for the scale layouts). Every run of
+// 16 stored bytes shares one scale (blocks of 128 along the stored rows).
 template <class T, bool E4M3>
 __device__ void block_dequant_impl(const uint8_t* __restrict__ q, const float* __restrict__ s,
                                    T* __restrict__ y, u64 m, u64 k, u64 s_cols, int mode) {
-    const u64 n = m * k;
-    const u64 stride = (u64)gridDim.x * blockDim.x;
-    const bool col = mode == 1 || mode == 3;
-    if ((col ? m : k) % 16 == 0) {
-        for (u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x; g < n / 16; g += stride) {
-            float v[16];
-            fp8x16_to_f32<E4M3>(reinterpret_cast<const uint4*>(q)[col ? (g % k) * (m / 16) + g / k : g], v);
-            if (!col) {
-                const u64 r = 16 * g / k, c = 16 * g % k;
-                const float si = mode == 0 ? s[(c / 128) * s_cols + r] : s[(r / 128) * s_cols + c / 128];
-#pragma unroll
-                for (int j = 0; j < 16; ++j) v[j] = v[j] * si;
-                store16<T>(y + 16 * g, v);
-            } else {
-                const u64 c = g % k, r = 16 * (g / k);
-                const float si = mode == 1 ? s[(r / 128) * s_cols + c] : s[(c / 128) * s_cols + r / 128];
-#pragma unroll
-                for (int j = 0; j < 16; ++j) y[(r + j) * k + c] = In<T>::from(v[j] * si);
-            }
-        }
-        return;
-    }
-    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += stride) {
-        const u64 r = e / k, c = e % k;  // logical row (m) and column (k)
-        float si;
-        uint8_t b;
+    fp8_dequant<T, E4M3>(q, y, m, k, mode == 1 || mode == 3, [=](u64 r, u64 c) {
         switch (mode) {
-            case 0: si = s[(c / 128) * s_cols + r]; b = q[e]; break;
-            case 1: si = s[(r / 128) * s_cols + c]; b = q[c * m + r]; break;
-            case 2: si = s[(r / 128) * s_cols + c / 128]; b = q[e]; break;
-            default: si = s[(c / 128) * s_cols + r / 128]; b = q[c * m + r]; break;
+            case 0: return s[(c / 128) * s_cols + r];
+            case 1: return s[(r / 128) * s_cols + c];
+            case 2: return s[(r / 128) * s_cols + c / 128];
+            default: return s[(c / 128) * s_cols + r / 128];
         }
-        y[e] = In<T>::from(fp8_to_f32<E4M3>(b) * si);
-    }
+    });
 }
 
 #define BLOCK_DEQUANT(SUFFIX, T, FMT, E4M3)                                                    \

@@ -187,6 +187,47 @@ template <class T> __device__ __forceinline__ void store16(T* p, const float* v)
     for (int l = 0; l < L; ++l) reinterpret_cast<uint4*>(p)[l] = b.u[l];
 }
 
+// Dequantization of one stored FP8 orientation into the row-major [m, k] y: rowwise q is
+// [m, k], columnwise (col) q is its transpose [k, m]. scale(r, c) is the multiplier of
+// logical element (r, c) and must be constant over each run of 16 stored bytes that
+// starts at a multiple of 16 (true of per-tensor scales and of blocks of 32 or 128).
+// When the stored rows are multiples of 16 long a thread takes such a run: one 16-byte
+// load and one scale lookup; rowwise it writes 16 consecutive outputs, columnwise one
+// output column's 16 consecutive rows, neighbouring threads on neighbouring columns so
+// that each of its 16 stores is coalesced across the warp. Otherwise one thread per
+// element. Grid-stride; y = fp8 * scale rounded once to T.
+template <class T, bool E4M3, class Scale>
+__device__ void fp8_dequant(const uint8_t* __restrict__ q, T* __restrict__ y, u64 m, u64 k, bool col,
+                            Scale scale) {
+    const u64 n = m * k;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if ((col ? m : k) % 16 == 0) {
+        for (u64 g = tid; g < n / 16; g += stride) {
+            float v[16];
+            if (!col) {
+                const u64 r = 16 * g / k, c = 16 * g % k;
+                fp8x16_to_f32<E4M3>(reinterpret_cast<const uint4*>(q)[g], v);
+                const float si = scale(r, c);
+#pragma unroll
+                for (int j = 0; j < 16; ++j) v[j] = v[j] * si;
+                store16<T>(y + 16 * g, v);
+            } else {
+                const u64 c = g % k, r = 16 * (g / k);
+                fp8x16_to_f32<E4M3>(reinterpret_cast<const uint4*>(q)[c * (m / 16) + g / k], v);
+                const float si = scale(r, c);
+#pragma unroll
+                for (int j = 0; j < 16; ++j) y[(r + j) * k + c] = In<T>::from(v[j] * si);
+            }
+        }
+        return;
+    }
+    for (u64 e = tid; e < n; e += stride) {
+        const u64 r = e / k, c = e % k;
+        y[e] = In<T>::from(fp8_to_f32<E4M3>(q[col ? c * m + r : e]) * scale(r, c));
+    }
+}
+
 // Loads 4 consecutive elements of T starting at p (aligned to 4 elements) as floats.
 template <class T> __device__ __forceinline__ void load4(const T* p, float* v) {
     if constexpr (sizeof(T) == 4) {

@@ -183,10 +183,23 @@ __device__ void dequant_impl(const uint8_t* __restrict__ q, T* __restrict__ y, u
     if (i < n) y[i] = In<T>::from(fp8_to_f32<E4M3>(q[i]) * s);
 }
 
+// The columnwise operand: q is the transposed [k, m] copy, y the logical [m, k], without
+// a separate transpose.
+template <class T, bool E4M3>
+__device__ void dequant_transposed_impl(const uint8_t* __restrict__ q, T* __restrict__ y, u64 m, u64 k,
+                                        const float* __restrict__ scale_inv) {
+    const float s = scale_inv[0];
+    fp8_dequant<T, E4M3>(q, y, m, k, true, [=](u64, u64) { return s; });
+}
+
 #define DEQUANT(SUFFIX, T, FMT, E4M3)                                                          \
     extern "C" __global__ void __launch_bounds__(256) tessera_fp8_dequant_##SUFFIX##_##FMT(    \
         const uint8_t* __restrict__ q, T* __restrict__ y, u64 n, const float* scale_inv) {    \
         dequant_impl<T, E4M3>(q, y, n, scale_inv);                                             \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) tessera_fp8_dequant_t_##SUFFIX##_##FMT(  \
+        const uint8_t* __restrict__ q, T* __restrict__ y, u64 m, u64 k, const float* scale_inv) { \
+        dequant_transposed_impl<T, E4M3>(q, y, m, k, scale_inv);                                \
     }
 DEQUANT(f32, float, e4m3, true)
 DEQUANT(f32, float, e5m2, false)

@@ -402,22 +402,24 @@ impl QuantizedTensor {
                     .buffers
                     .get(&BufferName::ScaleInv)
                     .ok_or_else(|| missing(BufferName::ScaleInv))?;
-                let data = match usage {
-                    Usage::Columnwise => {
-                        let (m, k) = self.shape.flat_2d();
-                        let ct = self
-                            .buffers
-                            .get(&BufferName::ColumnwiseData)
-                            .ok_or_else(|| missing(BufferName::ColumnwiseData))?;
-                        crate::cuda::layout::transpose_bytes(ct, k, m)?.reshape(&self.shape)?
-                    }
-                    _ => self
+                if usage == Usage::Columnwise {
+                    let ct = self
                         .buffers
-                        .get(&BufferName::Data)
-                        .ok_or_else(|| missing(BufferName::Data))?
-                        .clone(),
-                };
-                crate::cuda::fp8::dequantize(&data, scale_inv, format, dtype)
+                        .get(&BufferName::ColumnwiseData)
+                        .ok_or_else(|| missing(BufferName::ColumnwiseData))?;
+                    return crate::cuda::fp8::dequantize_transposed(
+                        ct,
+                        scale_inv,
+                        format,
+                        dtype,
+                        &self.shape,
+                    );
+                }
+                let data = self
+                    .buffers
+                    .get(&BufferName::Data)
+                    .ok_or_else(|| missing(BufferName::Data))?;
+                crate::cuda::fp8::dequantize(data, scale_inv, format, dtype)
             }
             Kind::Mxfp8 {
                 format, swizzled, ..

@@ -2,7 +2,7 @@
 
 use cudarc::driver::PushKernelArg;
 use tessera_core::cuda::{CudaDevice, grid_1d};
-use tessera_core::{DType, Device, Result, Tensor};
+use tessera_core::{DType, Device, Error, Result, Shape, Tensor};
 
 use super::{BLOCK, FP8_PTX, device_of, dtype_suffix, format_suffix, launch, tile_grid};
 use crate::values::check_input;
@@ -188,6 +188,56 @@ pub(crate) fn dequantize(
             b.arg(q.cuda_slice().expect("device tensor"))
                 .arg(ys)
                 .arg(&n)
+                .arg(scale_inv.cuda_slice().expect("device tensor"));
+        })
+    }?;
+    Ok(y)
+}
+
+/// Dequantizes the transposed columnwise FP8 data `qt` (`[k, m]` bytes) of an `[m, k]`
+/// tensor straight into `[m, k]` elements of `dtype` (no separate transpose).
+pub(crate) fn dequantize_transposed(
+    qt: &Tensor,
+    scale_inv: &Tensor,
+    format: Fp8Format,
+    dtype: DType,
+    shape: &Shape,
+) -> Result<Tensor> {
+    const OP: &str = "cuda fp8 dequantize columnwise";
+    let (m, k) = shape.flat_2d();
+    if qt.numel() != m * k {
+        return Err(Error::shape(
+            OP,
+            format!(
+                "columnwise data of {} bytes for a tensor of shape {shape} (expected {})",
+                qt.numel(),
+                m * k
+            ),
+        ));
+    }
+    let dev = device_of(qt)?;
+    let mut y = Tensor::empty(shape, dtype, qt.device())?;
+    let f = dev.function(
+        &FP8_PTX,
+        &format!(
+            "tessera_fp8_dequant_t_{}_{}",
+            dtype_suffix(OP, dtype)?,
+            format_suffix(format)
+        ),
+    )?;
+    let (mu, ku) = (m as u64, k as u64);
+    // Thread per run of 16 stored bytes (per element when m % 16 != 0; grid-stride).
+    let cfg = grid_1d(&dev, m * k, BLOCK)?;
+    let ys = y.cuda_slice_mut()?;
+    // SAFETY: (const u8* q, T* y, u64 m, u64 k, const float* scale_inv): q holds the
+    // m*k bytes of the [k, m] transpose (checked above), y m*k elements of T, scale_inv
+    // one float.
+    unsafe {
+        launch(&dev, &f, cfg, OP, |b| {
+            b.arg(qt.cuda_slice().expect("device tensor"))
+                .arg(ys)
+                .arg(&mu)
+                .arg(&ku)
                 .arg(scale_inv.cuda_slice().expect("device tensor"));
         })
     }?;
