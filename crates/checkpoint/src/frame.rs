@@ -167,15 +167,12 @@ impl Checkpoint {
     ) -> Result<(Vec<Tensor>, Frame)> {
         let checkpointed = self.mode != Mode::Off;
         let checksums = checkpointed && self.determinism_check;
-        let devices = if checkpointed {
-            self.generator_devices(inputs)
+        let (devices, snapshots) = if checkpointed {
+            let devices = self.generator_devices(inputs);
+            let snapshots = snapshot_all(layer, &devices);
+            (devices, snapshots)
         } else {
-            Vec::new()
-        };
-        let snapshots = if checkpointed {
-            snapshot_all(layer, &devices)
-        } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
         };
         let (outputs, saver) = run_forward(
             self.context.as_deref(),

@@ -100,6 +100,12 @@ __device__ __forceinline__ float e2m1_value(uint32_t code) {
     return __fmul_rn(__uint_as_float(((code & 7u) << 22) | ((code & 8u) << 28)), __uint_as_float(0x7E800000u));
 }
 
+// The 16 values of a packed block (element j in bits 4j .. 4j+3 of w.x, then w.y) times sc.
+__device__ __forceinline__ void e2m1x16_values(uint2 w, float sc, float* v) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) v[j] = __fmul_rn(e2m1_value(((j < 8 ? w.x : w.y) >> (4 * (j % 8))) & 0xFu), sc);
+}
+
 // ---- scales ---------------------------------------------------------------------------
 
 __device__ __forceinline__ float global_encode_scale(float a) {
@@ -183,11 +189,6 @@ struct Nvfp4Args {
 
 // ---- 1-D round to nearest without the RHT: the common cases, one entry point each -------
 
-// Rowwise only. A CTA of 256 threads covers 16 rows x 256*B columns, thread t row t/16 and
-// the B consecutive 1x16 blocks from column (t%16)*16*B, loaded before any is quantized
-// (B*32 bytes of bf16 in flight per thread); a warp reads two runs of 512*B contiguous
-// bytes. 1-D grid over (m/16) x col_tiles, column tiles fastest. No shared memory, no
-// barrier, no shuffle. m and k are multiples of 16, so a block is all in or all out.
 template <class T> struct Pair;
 template <> struct Pair<__nv_bfloat16> { using type = __nv_bfloat162; };
 template <> struct Pair<__half> { using type = __half2; };
@@ -216,6 +217,11 @@ template <class T, int E> __device__ __forceinline__ float amax_of(const uint32_
     }
 }
 
+// Rowwise only. A CTA of 256 threads covers 16 rows x 256*B columns, thread t row t/16 and
+// the B consecutive 1x16 blocks from column (t%16)*16*B, loaded before any is quantized
+// (B*32 bytes of bf16 in flight per thread); a warp reads two runs of 512*B contiguous
+// bytes. 1-D grid over (m/16) x col_tiles, column tiles fastest. No shared memory, no
+// barrier, no shuffle. m and k are multiples of 16, so a block is all in or all out.
 template <class T, int B>
 __device__ void nvfp4_row_impl(const T* __restrict__ x, u64 m, u64 k, const float* __restrict__ amax,
                                uint8_t* __restrict__ q, uint8_t* __restrict__ s, u64 s_cols, int swizzled,
@@ -499,8 +505,7 @@ __device__ void nvfp4_dequant_impl(const uint8_t* __restrict__ q, const uint8_t*
             const u64 si = swizzled ? swizzled_index(r, c / 16, s_cols) : r * s_cols + c / 16;
             const float sc = __fmul_rn(__fmul_rn(fp8_to_f32<true>(s[si]), A), 1.0f / 2688.0f);
             float v[16];
-#pragma unroll
-            for (int j = 0; j < 16; ++j) v[j] = __fmul_rn(e2m1_value(((j < 8 ? w.x : w.y) >> (4 * (j % 8))) & 0xFu), sc);
+            e2m1x16_values(w, sc, v);
             store16<T>(y + 16 * g, v);
         }
         return;
@@ -514,8 +519,7 @@ __device__ void nvfp4_dequant_impl(const uint8_t* __restrict__ q, const uint8_t*
         // operand: 8 bytes, 8-byte aligned (m % 16 == 0).
         const uint2 w = reinterpret_cast<const uint2*>(q)[(c * m) / 16 + run];
         float v[16], o[16];
-#pragma unroll
-        for (int t = 0; t < 16; ++t) v[t] = __fmul_rn(e2m1_value(((t < 8 ? w.x : w.y) >> (4 * (t % 8))) & 0xFu), sc);
+        e2m1x16_values(w, sc, v);
         if (rht) {
             inverse_rht16(v, o);
         } else {

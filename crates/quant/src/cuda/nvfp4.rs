@@ -8,12 +8,12 @@ use tessera_core::{DType, Device, Error, Result, Tensor};
 use tessera_rng::Generator;
 
 use super::{BLOCK, NVFP4_PTX, Outputs, device_of, dtype_suffix, launch, tile_grid};
+use crate::values::check_input;
+use crate::{AmaxReduction, BufferName, QuantizedTensor};
 
 /// The 1x16 blocks each thread of the rowwise kernel quantizes (`NVFP4_ROW_BLOCKS` in
 /// kernels/nvfp4.cu).
 const ROW_BLOCKS: usize = 2;
-use crate::values::check_input;
-use crate::{AmaxReduction, BufferName, QuantizedTensor};
 
 /// The kernel's `Nvfp4Args` (kernels/nvfp4.cu), field for field.
 #[repr(C)]
