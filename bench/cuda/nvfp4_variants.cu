@@ -105,7 +105,7 @@ static void run_shape(u64 M, u64 K, int normal) {
             a.s_col = both ? sc : nullptr;
             a.s_col_cols = M / 16;
             a.swizzled = swz;
-            float ms = time_ms([&] { tessera_nvfp4_bf16<<<dim3((M + 63) / 64, (K + 63) / 64), 256>>>(x, a); });
+            float ms = time_ms([&] { tessera_nvfp4_bf16<<<((M + 63) / 64) * ((K + 63) / 64), 256>>>(x, a); });
             std::snprintf(name, sizeof name, "shipped %s%s", both ? "both" : "rowwise", swz ? " swz" : "");
             report(name, ms);
             if (!both) {
@@ -120,7 +120,7 @@ static void run_shape(u64 M, u64 K, int normal) {
                 row(tessera_nvfp4_row_bf16, NVFP4_ROW_BLOCKS, "row shipped (NVFP4_ROW_BLOCKS/thread)");
                 row(row_var<4>, 4, "row 16x1024 (4 blocks/thread)");
             } else {
-                const dim3 grid((M + 63) / 64, (K + 255) / 256);
+                const dim3 grid(((M + 63) / 64) * ((K + 255) / 256));  // 1-D, row-major tiles
                 auto both_run = [&](auto kernel, const char* label) {
                     clear();
                     const float t = time_ms([&] { kernel<<<grid, 256>>>(x, a); });

@@ -4,20 +4,21 @@
 // Checked byte for byte against crates/quant/src/block.rs.
 #include "common.cuh"
 
-// Rowwise-only 1x128 blocks: a CTA of 256 threads covers 32 rows x 128 columns (grid:
-// ceil(m/32) x ceil(k/128)); thread t owns row t/8 and 16 columns of it, laid out as in
+// Rowwise-only 1x128 blocks: a CTA of 256 threads covers 32 rows x 128 columns (ceil(m/32)
+// x ceil(k/128) tiles, tile_row); thread t owns row t/8 and 16 columns of it, laid out as in
 // Tile128 (8 lanes load one contiguous 128-byte stretch per instruction); the block amax
 // reduces over the 8 lanes of the row. Few registers, no shared memory, no barrier.
 template <class T, bool E4M3>
 __device__ void block_row_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2,
                                float eps, float value_for_inf, uint8_t* __restrict__ q_row,
-                               float* __restrict__ s_row, u64 s_row_cols) {
+                               float* __restrict__ s_row, u64 s_row_cols, u64 bx, u64 by) {
     using Tl = Tile128<T>;
     constexpr int V = Tl::V;
     const int t = threadIdx.x, cg = t & 7;
-    const u64 r = (u64)blockIdx.x * 32 + (t >> 3), k0 = (u64)blockIdx.y * 128;
+    const u64 r = bx * 32 + (t >> 3), k0 = by * 128;
     union {
         uint4 u[Tl::L];
+        uint32_t w[4 * Tl::L];
         T e[16];
     } d;
     const bool vec = (k % V) == 0;
@@ -33,9 +34,7 @@ __device__ void block_row_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_
                 if (r < m && c + j < k) d.e[l * V + j] = x[r * k + c + j];
         }
     }
-    float a = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) a = fmaxf(a, fabsf(In<T>::f32(d.e[j])));
+    float a = amax_of<T, 16>(d.w);
     a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
     a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
     a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 4));
@@ -50,18 +49,18 @@ __device__ void block_row_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_
     }
 #pragma unroll
     for (int l = 0; l < Tl::L; ++l) store_run<V>(q_row, m, k, r, k0 + Tl::col(cg, l * V), &w[l * V / 4]);
-    if (cg == 0) s_row[blockIdx.y * s_row_cols + r] = __frcp_rn(s);
+    if (cg == 0) s_row[by * s_row_cols + r] = __frcp_rn(s);
 }
 
-// One CTA per 128x128 tile (grid: ceil(m/128) x ceil(k/128), 256 threads), the tile held
-// in registers as Tile128 lays it out (16-byte loads, 4 rows x 16 columns per thread).
-// Row amaxes reduce over the 8 lanes of a row group, column amaxes in registers over a
-// thread's 4 rows, then over lanes and warps; the transposed (columnwise) bytes are packed
-// 4 rows to a word in registers and staged through a swizzled shared tile for 16-byte
-// stores.
+// One 128x128 tile at (m0, k0), held in registers as Tile128 lays it out (4 rows x 16
+// columns per thread), by a CTA of 256 threads. Row amaxes reduce over the 8 lanes of a
+// row group, column amaxes in registers over a thread's 4 rows, then over lanes and
+// warps; the transposed (columnwise) bytes are packed 4 rows to a word in registers and
+// staged through a swizzled shared tile for 16-byte stores. Every thread calls it; it
+// synchronises the CTA.
 template <class T, bool E4M3, bool two_d>
-__device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2,
-                           float eps, float value_for_inf, uint8_t* __restrict__ q_row,
+__device__ void block_tile(const Tile128<T>& x4, u64 m0, u64 k0, u64 m, u64 k, float fp8_max,
+                           int pow2, float eps, float value_for_inf, uint8_t* __restrict__ q_row,
                            float* __restrict__ s_row, u64 s_row_cols, uint8_t* __restrict__ q_col,
                            float* __restrict__ s_col, u64 s_col_cols) {
     using Tl = Tile128<T>;
@@ -71,22 +70,9 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
     __shared__ float colscale[128];
     __shared__ float warpmax[8];
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, rg = t >> 3, cg = t & 7;
-    const u64 m0 = (u64)blockIdx.x * 128, k0 = (u64)blockIdx.y * 128;
-    const u64 mb = blockIdx.x, kb = blockIdx.y;
-    Tl x4;
-    x4.load(x, m, k, m0, k0, rg, cg);
-    // Row amaxes over the 16 columns of the thread, then the 8 lanes of the row group.
+    const u64 mb = m0 / 128, kb = k0 / 128;
     float ra[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        float a = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) a = fmaxf(a, fabsf(x4.at(i, j)));
-        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
-        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
-        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 4));
-        ra[i] = a;
-    }
+    x4.row_amax(ra);
     float rs[4];  // the scale of each row (1-D) or of the tile (2-D)
     if (two_d) {
         float a = fmaxf(fmaxf(ra[0], ra[1]), fmaxf(ra[2], ra[3]));
@@ -106,8 +92,13 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
             if (s_col != nullptr) s_col[kb * s_col_cols + mb] = si;
         }
     } else {
+        // Lane cg of a row group computes the scale of row 4*rg + cg % 4 (one division
+        // instead of four) and the group shares them.
+        const int h = cg & 3;
+        const float a = h == 0 ? ra[0] : h == 1 ? ra[1] : h == 2 ? ra[2] : ra[3];
+        const float s = scale_from_amax(a, fp8_max, pow2, eps, value_for_inf);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) rs[i] = scale_from_amax(ra[i], fp8_max, pow2, eps, value_for_inf);
+        for (int i = 0; i < 4; ++i) rs[i] = __shfl_sync(0xFFFFFFFFu, s, (lane & ~7) | i);
     }
     // Rowwise bytes (in 2-D mode also the transposed tile, which has the same bytes).
     uint32_t wr[4][4];  // row i, word w: columns col(cg, 4w .. 4w+3)
@@ -148,14 +139,7 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
     } else {
         // Columnwise 1-D: each column's own scale over the tile's 128 rows.
         float ca[16];
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            float a = fmaxf(fmaxf(fabsf(x4.at(0, j)), fabsf(x4.at(1, j))),
-                            fmaxf(fabsf(x4.at(2, j)), fabsf(x4.at(3, j))));
-            a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 8));
-            a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 16));
-            ca[j] = a;
-        }
+        x4.col_amax(ca);
         if (lane < 8) {
 #pragma unroll
             for (int j = 0; j < 16; ++j) colpart[warp][Tl::col(cg, j)] = ca[j];
@@ -183,6 +167,20 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
     tr.store(q_col, m, k, m0, k0);
 }
 
+// One CTA per 128x128 tile (ceil(m/128) x ceil(k/128) tiles, tile_row; 256 threads), loaded
+// straight into registers (16-byte loads).
+template <class T, bool E4M3, bool two_d>
+__device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2,
+                           float eps, float value_for_inf, uint8_t* __restrict__ q_row,
+                           float* __restrict__ s_row, u64 s_row_cols, uint8_t* __restrict__ q_col,
+                           float* __restrict__ s_col, u64 s_col_cols, u64 bx, u64 by) {
+    const u64 m0 = bx * 128, k0 = by * 128;
+    Tile128<T> x4;
+    x4.load(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
+    block_tile<T, E4M3, two_d>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
+                               s_row_cols, q_col, s_col, s_col_cols);
+}
+
 // Three entry points with their own register budgets: rowwise-only 1x128 blocks
 // (`_row_`), 1-D blocks with a columnwise operand (`_1d_`, 128x128 tiles), and 128x128
 // tiles (`_2d_`). They share one parameter list; `two_d` is implied by the name.
@@ -193,23 +191,23 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
             float value_for_inf, int two_d, uint8_t* q_row, float* s_row, u64 s_row_cols,      \
             uint8_t* q_col, float* s_col, u64 s_col_cols) {                                    \
         block_row_impl<T, E4M3>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,     \
-                                s_row_cols);                                                   \
+                                s_row_cols, tile_row((k + 127) / 128), tile_col((k + 127) / 128)); \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, TQ_MINB_BLOCK_1D)                       \
+    extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_1D)                       \
         tessera_fp8_block_1d_##SUFFIX##_##FMT(                                                 \
             const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,         \
             float value_for_inf, int two_d, uint8_t* q_row, float* s_row, u64 s_row_cols,      \
             uint8_t* q_col, float* s_col, u64 s_col_cols) {                                    \
         block_impl<T, E4M3, false>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,  \
-                                   s_row_cols, q_col, s_col, s_col_cols);                      \
+                                   s_row_cols, q_col, s_col, s_col_cols, tile_row((k + 127) / 128), tile_col((k + 127) / 128)); \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, TQ_MINB_BLOCK_2D)                       \
+    extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_2D)                       \
         tessera_fp8_block_2d_##SUFFIX##_##FMT(                                                 \
             const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,         \
             float value_for_inf, int two_d, uint8_t* q_row, float* s_row, u64 s_row_cols,      \
             uint8_t* q_col, float* s_col, u64 s_col_cols) {                                    \
         block_impl<T, E4M3, true>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,   \
-                                  s_row_cols, q_col, s_col, s_col_cols);                       \
+                                  s_row_cols, q_col, s_col, s_col_cols, tile_row((k + 127) / 128), tile_col((k + 127) / 128)); \
     }
 BLOCK_KERNEL(f32, float, e4m3, true)
 BLOCK_KERNEL(f32, float, e5m2, false)

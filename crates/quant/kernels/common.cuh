@@ -8,13 +8,14 @@
 typedef unsigned long long u64;
 
 // Minimum resident CTAs per multiprocessor asked of the compiler (the second
-// __launch_bounds__ argument) for the register-tile kernels; bench/cuda/quant_variants.cu
-// overrides them to compare register budgets. On an H200 the 128x128 cast-transpose ran
-// at 0.90 of a copy with 80 registers (3 CTAs per SM) and the FP8 block tiles at
-// 0.56-0.62 with 128 (2 CTAs); capping the shared all-modes kernels at 80 or 64
-// registers spilled and ran slower, hence one entry point per mode.
+// __launch_bounds__ argument) for the register-tile kernels with 2-byte inputs (f32
+// tiles take 2: 128 registers, no spills); bench/cuda/quant_variants.cu overrides them
+// to compare register budgets. On an H200 the 128x128 cast-transpose with its amax ran at
+// 0.917 of a copy with 80 registers (3 CTAs per SM) against 0.893 with 96 (2 CTAs);
+// capping the shared all-modes kernels of an earlier design at 80 or 64 registers
+// spilled and ran slower, hence one entry point per mode.
 #ifndef TQ_MINB_TILE
-#define TQ_MINB_TILE 1
+#define TQ_MINB_TILE 3
 #endif
 #ifndef TQ_MINB_BLOCK_ROW
 #define TQ_MINB_BLOCK_ROW 1
@@ -33,14 +34,17 @@ typedef unsigned long long u64;
 
 template <class T> struct In;
 template <> struct In<float> {
+    static constexpr bool bf16 = false;
     __device__ static float f32(float x) { return x; }
     __device__ static float from(float y) { return y; }
 };
 template <> struct In<__nv_bfloat16> {
+    static constexpr bool bf16 = true;
     __device__ static float f32(__nv_bfloat16 x) { return __bfloat162float(x); }
     __device__ static __nv_bfloat16 from(float y) { return __float2bfloat16_rn(y); }
 };
 template <> struct In<__half> {
+    static constexpr bool bf16 = false;
     __device__ static float f32(__half x) { return __half2float(x); }
     __device__ static __half from(float y) { return __float2half_rn(y); }
 };
@@ -91,6 +95,53 @@ template <bool E4M3> __device__ __forceinline__ void fp8x16_to_f32(uint4 raw, fl
     }
 }
 
+// ---- packed pairs of 2-byte inputs ----------------------------------------------------
+
+template <class T> struct Pair;
+template <> struct Pair<__nv_bfloat16> { using type = __nv_bfloat162; };
+template <> struct Pair<__half> { using type = __half2; };
+
+// |x| of the two elements of a raw word of 2-byte T.
+template <class T> __device__ __forceinline__ typename Pair<T>::type abs2(uint32_t w) {
+    return __habs2(*reinterpret_cast<const typename Pair<T>::type*>(&w));
+}
+
+// The NaN-ignoring max of |x| over E consecutive elements of T given as their raw 32-bit
+// words (0 when every one is NaN), equal to the fmaxf chain over the floats. For 2-byte
+// types one packed |.| and max per two values (__hmax2 returns the non-NaN operand, as
+// fmaxf does, and the max of exactly converted values is the converted max), which
+// saves slots on the integer pipe.
+template <class T, int E> __device__ __forceinline__ float amax_of(const uint32_t* w) {
+    if constexpr (sizeof(T) == 4) {
+        float a = 0.0f;
+#pragma unroll
+        for (int i = 0; i < E; ++i) a = fmaxf(a, fabsf(__uint_as_float(w[i])));
+        return a;
+    } else {
+        auto mx = abs2<T>(w[0]);
+#pragma unroll
+        for (int i = 1; i < E / 2; ++i) mx = __hmax2(mx, abs2<T>(w[i]));
+        return fmaxf(fmaxf(0.0f, In<T>::f32(mx.x)), In<T>::f32(mx.y));
+    }
+}
+
+// Max of two raw words of 2-byte T as pairs (NaN-ignoring per half, as fmaxf).
+template <class T> __device__ __forceinline__ uint32_t hmax2w(uint32_t a, uint32_t b) {
+    using P = typename Pair<T>::type;
+    const P r = __hmax2(*reinterpret_cast<const P*>(&a), *reinterpret_cast<const P*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// The low and the high element of a raw word of 2-byte T, as float (exact).
+template <class T> __device__ __forceinline__ float lo_f32(uint32_t w) {
+    if constexpr (In<T>::bf16) return __uint_as_float(w << 16);
+    else return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFFu)));
+}
+template <class T> __device__ __forceinline__ float hi_f32(uint32_t w) {
+    if constexpr (In<T>::bf16) return __uint_as_float(w & 0xFFFF0000u);
+    else return __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+}
+
 // ---- reductions ----------------------------------------------------------------------
 
 // NaN-ignoring max (fmaxf returns the other operand when one is NaN).
@@ -132,15 +183,15 @@ __device__ __forceinline__ float scale_from_amax(float amax, float fp8_max, bool
 
 // ---- E8M0 and layouts ----------------------------------------------------------------
 
-// TE's float_to_e8m0 for a non-negative value (spec/formats.md 2.3).
+// TE's float_to_e8m0 for a non-negative value (spec/formats.md 2.3): the exponent,
+// rounded up when a mantissa remains (not from 0xFE, nor for subnormals up to half the
+// least normal); NaN -> 0xFF, Inf -> 0xFE. Selects only, no branch.
 __device__ __forceinline__ uint8_t float_to_e8m0(float v) {
-    if (isnan(v)) return 0xFF;
-    const uint32_t bits = __float_as_uint(fabsf(v));
-    uint32_t e = bits >> 23;
-    const uint32_t m = bits & 0x7FFFFFu;
-    if (e == 0xFF) return 0xFE;
-    if (m > 0 && e != 0xFE && !(e == 0 && m <= 0x400000u)) e += 1;
-    return (uint8_t)e;
+    const uint32_t bits = __float_as_uint(v) & 0x7FFFFFFFu;
+    const uint32_t e = bits >> 23, m = bits & 0x7FFFFFu;
+    const bool up = m != 0 && e < 0xFE && (e != 0 || m > 0x400000u);
+    const uint32_t r = bits > 0x7F800000u ? 0xFFu : bits == 0x7F800000u ? 0xFEu : e + (up ? 1u : 0u);
+    return (uint8_t)r;
 }
 
 // 2^(127 - e): the multiplier of a block with E8M0 scale e (TE's exp2f_rcp).
@@ -261,13 +312,75 @@ template <class T> struct Tile128 {
     static constexpr int L = 16 / V;               // vectors per row and thread
     union {
         uint4 u[4][L];
+        uint32_t w[4][4 * L];  // 2-byte T: word p holds elements 2p, 2p + 1
         T e[4][16];
     } d;
 
     // Tile column of element j (0..15) of column group cg.
     __device__ static int col(int cg, int j) { return (j / V) * 8 * V + cg * V + j % V; }
 
-    __device__ float at(int i, int j) const { return In<T>::f32(d.e[i][j]); }
+    __device__ float at(int i, int j) const {
+        if constexpr (sizeof(T) == 2) return j % 2 ? hi_f32<T>(d.w[i][j / 2]) : lo_f32<T>(d.w[i][j / 2]);
+        else return d.e[i][j];
+    }
+
+    // NaN-ignoring max |x| of each of the thread's 4 rows over the 128 columns of the tile
+    // (its 16 columns, then the 8 lanes of its row group), in every lane of the group.
+    // 2-byte inputs reduce as packed pairs, two rows sharing each shuffle.
+    __device__ void row_amax(float* ra) const {
+        if constexpr (sizeof(T) == 2) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {  // rows 2q, 2q + 1
+                uint32_t h[2];
+#pragma unroll
+                for (int t = 0; t < 2; ++t) {
+                    uint32_t a = d.w[2 * q + t][0] & 0x7FFF7FFFu;
+#pragma unroll
+                    for (int p = 1; p < 8; ++p) a = hmax2w<T>(a, d.w[2 * q + t][p] & 0x7FFF7FFFu);
+                    h[t] = a;
+                }
+                uint32_t r = hmax2w<T>(__byte_perm(h[0], h[1], 0x5410), __byte_perm(h[0], h[1], 0x7632));
+                r = hmax2w<T>(r, __shfl_xor_sync(0xFFFFFFFFu, r, 1));
+                r = hmax2w<T>(r, __shfl_xor_sync(0xFFFFFFFFu, r, 2));
+                r = hmax2w<T>(r, __shfl_xor_sync(0xFFFFFFFFu, r, 4));
+                ra[2 * q] = fmaxf(0.0f, lo_f32<T>(r));
+                ra[2 * q + 1] = fmaxf(0.0f, hi_f32<T>(r));
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float a = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) a = fmaxf(a, fabsf(at(i, j)));
+                a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
+                a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
+                ra[i] = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 4));
+            }
+        }
+    }
+
+    // NaN-ignoring max |x| of each of the thread's 16 columns over the 32 rows of its
+    // warp (its 4 rows, then the 4 row groups of the warp, lanes xor 8, 16).
+    __device__ void col_amax(float* ca) const {
+        if constexpr (sizeof(T) == 2) {
+#pragma unroll
+            for (int p = 0; p < 8; ++p) {
+                uint32_t a = hmax2w<T>(hmax2w<T>(d.w[0][p] & 0x7FFF7FFFu, d.w[1][p] & 0x7FFF7FFFu),
+                                       hmax2w<T>(d.w[2][p] & 0x7FFF7FFFu, d.w[3][p] & 0x7FFF7FFFu));
+                a = hmax2w<T>(a, __shfl_xor_sync(0xFFFFFFFFu, a, 8));
+                a = hmax2w<T>(a, __shfl_xor_sync(0xFFFFFFFFu, a, 16));
+                ca[2 * p] = fmaxf(0.0f, lo_f32<T>(a));
+                ca[2 * p + 1] = fmaxf(0.0f, hi_f32<T>(a));
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                float a = fmaxf(fmaxf(fabsf(at(0, j)), fabsf(at(1, j))), fmaxf(fabsf(at(2, j)), fabsf(at(3, j))));
+                a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 8));
+                ca[j] = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 16));
+            }
+        }
+    }
 
     // Loads rows m0 + 4*rg .. +3 of x [m, k] (columns from k0); zeros outside the matrix.
     __device__ void load(const T* __restrict__ x, u64 m, u64 k, u64 m0, u64 k0, int rg, int cg) {
@@ -350,3 +463,47 @@ __device__ __forceinline__ void store_run(uint8_t* __restrict__ q, u64 m, u64 k,
             if (c + j < k) q[r * k + c + j] = (uint8_t)(w[j / 4] >> (8 * (j % 4)));
     }
 }
+
+// ---- tile grids --------------------------------------------------------------------------
+
+// The tile kernels run on a 1-D grid over their tiles in row-major order: CTA b takes
+// tile row b / gy and tile column b % gy of a grid with gy tile columns, so CTAs that
+// run together read the same rows and fill the same scale rows. On an H200 this order
+// moved the tile kernels 4-10% against the column-major order of a 2-D grid
+// (blockIdx.x over rows): partially written sectors of the outputs and scales were
+// merged in L2 instead of being evicted half-written (BENCHMARKS.md, 2026-12-03).
+// In 32 bits (the launch has at most 2^31 - 1 tiles): a 64-bit division here cost the
+// compute-bound NVFP4 kernels 15%.
+__device__ __forceinline__ u64 tile_row(u64 gy) { return blockIdx.x / (uint32_t)gy; }
+__device__ __forceinline__ u64 tile_col(u64 gy) { return blockIdx.x % (uint32_t)gy; }
+
+// A warp's 32-row x 64-column tile in registers: lane l holds the 8 consecutive columns
+// 8*(l%8) .. +7 of the 8 rows 8*(l/8) .. +7 as 16-byte vectors (one instruction covers 4
+// rows x 128 bytes). Shapes are multiples of 32 (MXFP8), so a lane's 8 columns are all
+// inside the matrix or all outside.
+template <class T> struct Warp32x64 {
+    static constexpr int W = 8 * (int)sizeof(T) / 16;  // 16-byte vectors per run of 8
+    static constexpr int V = 16 / (int)sizeof(T);      // elements per vector
+    union {
+        uint4 u[8][W];
+        uint32_t w[8][4 * W];  // 2-byte T: word p holds columns 2p, 2p + 1
+        T e[8][8];
+    } d;
+
+    __device__ float at(int i, int j) const {
+        if constexpr (sizeof(T) == 2) return j % 2 ? hi_f32<T>(d.w[i][j / 2]) : lo_f32<T>(d.w[i][j / 2]);
+        else return d.e[i][j];
+    }
+
+    // Rows r0 + 8*(lane/8) .. +7 of x [m, k] from column col (the lane's first); zeros
+    // when col >= k.
+    __device__ void load(const T* __restrict__ x, u64 k, u64 r0, u64 col, int lane) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const u64 r = r0 + 8 * (lane >> 3) + i;
+#pragma unroll
+            for (int w = 0; w < W; ++w)
+                d.u[i][w] = col < k ? reinterpret_cast<const uint4*>(x + r * k + col)[w] : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+};

@@ -82,26 +82,19 @@ __device__ void cast_impl(const T* __restrict__ x, uint8_t* __restrict__ q, u64 
     }
 }
 
-// Rowwise + columnwise (transposed) cast of an [m, k] matrix, one 128x128 tile per CTA
-// (grid: ceil(m/128) x ceil(k/128), 256 threads) held in registers as Tile128 lays it out;
-// the transposed bytes are packed 4 rows to a word and staged through a swizzled shared
-// tile for 16-byte stores. `q` may be null.
+// Rowwise + columnwise (transposed) cast of the 128x128 tile at (m0, k0) of an [m, k]
+// matrix, held in registers as Tile128 lays it out, by a CTA of 256 threads; the
+// transposed bytes are packed 4 rows to a word and staged through a swizzled shared tile
+// for 16-byte stores. `q` may be null. Returns the NaN-ignoring max |x| of the thread's
+// values. Every thread calls it; it synchronises the CTA.
 template <class T, bool E4M3>
-__device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict__ q,
-                                    uint8_t* __restrict__ qt, u64 m, u64 k,
-                                    const float* __restrict__ scale_ptr,
-                                    float* __restrict__ scale_inv, float* __restrict__ amax) {
+__device__ float cast_transpose_tile(const Tile128<T>& x4, u64 m0, u64 k0, uint8_t* __restrict__ q,
+                                     uint8_t* __restrict__ qt, u64 m, u64 k, float scale) {
     using Tl = Tile128<T>;
     constexpr int V = Tl::V;
     __shared__ Transposed128<V> tr;
-    __shared__ float smem[32];
     const int t = threadIdx.x, rg = t >> 3, cg = t & 7;
-    const float scale = scale_ptr[0];
-    if (blockIdx.x == 0 && blockIdx.y == 0 && t == 0) scale_inv[0] = __frcp_rn(scale);
-    const u64 m0 = (u64)blockIdx.x * 128, k0 = (u64)blockIdx.y * 128;
-    Tl x4;
-    x4.load(x, m, k, m0, k0, rg, cg);
-    float mx = 0.0f;
+    const float mx = amax_of<T, 64>(&x4.d.w[0][0]);
     uint32_t wr[4][4];  // row i, word w: columns col(cg, 4w .. 4w+3)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -109,10 +102,7 @@ __device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict
         for (int w = 0; w < 4; ++w) {
             float v[4];
 #pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                v[b] = x4.at(i, 4 * w + b);
-                mx = fmaxf(mx, fabsf(v[b]));
-            }
+            for (int b = 0; b < 4; ++b) v[b] = x4.at(i, 4 * w + b);
             const uint32_t lo = fp8x2<E4M3>(v[0] * scale, v[1] * scale);
             const uint32_t hi = fp8x2<E4M3>(v[2] * scale, v[3] * scale);
             wr[i][w] = lo | (hi << 16);
@@ -136,9 +126,27 @@ __device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict
     }
     __syncthreads();
     tr.store(qt, m, k, m0, k0);
+    return mx;
+}
+
+// One 128x128 tile per CTA (ceil(m/128) x ceil(k/128) tiles, tile_row; 256 threads), loaded
+// straight into registers. scale_inv[0] = 1 / scale[0]; amax (if not null) collects the
+// NaN-ignoring max |x|.
+template <class T, bool E4M3>
+__device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict__ q,
+                                    uint8_t* __restrict__ qt, u64 m, u64 k,
+                                    const float* __restrict__ scale_ptr,
+                                    float* __restrict__ scale_inv, float* __restrict__ amax) {
+    __shared__ float smem[32];
+    const float scale = scale_ptr[0];
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) scale_inv[0] = __frcp_rn(scale);
+    const u64 m0 = tile_row((k + 127) / 128) * 128, k0 = tile_col((k + 127) / 128) * 128;
+    Tile128<T> x4;
+    x4.load(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
+    float mx = cast_transpose_tile<T, E4M3>(x4, m0, k0, q, qt, m, k, scale);
     if (amax != nullptr) {
         mx = block_max(mx, smem);
-        if (t == 0) atomic_max_nonneg(amax, mx);
+        if (threadIdx.x == 0) atomic_max_nonneg(amax, mx);
     }
 }
 
@@ -148,7 +156,7 @@ __device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict
         float* scale_inv, float* amax) {                                                       \
         cast_impl<T, E4M3>(x, q, n, scale, scale_inv, amax);                                   \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, TQ_MINB_TILE)                          \
+    extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_TILE)                          \
         tessera_fp8_cast_transpose_##SUFFIX##_##FMT(const T* __restrict__ x, uint8_t* q,      \
                                                     uint8_t* qt, u64 m, u64 k,                 \
                                                     const float* scale, float* scale_inv,     \

@@ -189,34 +189,6 @@ struct Nvfp4Args {
 
 // ---- 1-D round to nearest without the RHT: the common cases, one entry point each -------
 
-template <class T> struct Pair;
-template <> struct Pair<__nv_bfloat16> { using type = __nv_bfloat162; };
-template <> struct Pair<__half> { using type = __half2; };
-
-// |x| of the two elements of a raw word of 2-byte T.
-template <class T> __device__ __forceinline__ typename Pair<T>::type abs2(uint32_t w) {
-    return __habs2(*reinterpret_cast<const typename Pair<T>::type*>(&w));
-}
-
-// The NaN-ignoring max of |x| over E consecutive elements of T given as their raw 32-bit
-// words (0 when every one is NaN), equal to the fmaxf chain over the floats. For 2-byte
-// types one packed |.| and max per two values (__hmax2 returns the non-NaN operand, as
-// fmaxf does, and the max of exactly converted values is the converted max), which
-// saves slots on the integer pipe, the NVFP4 kernels' bound.
-template <class T, int E> __device__ __forceinline__ float amax_of(const uint32_t* w) {
-    if constexpr (sizeof(T) == 4) {
-        float a = 0.0f;
-#pragma unroll
-        for (int i = 0; i < E; ++i) a = fmaxf(a, fabsf(__uint_as_float(w[i])));
-        return a;
-    } else {
-        auto mx = abs2<T>(w[0]);
-#pragma unroll
-        for (int i = 1; i < E / 2; ++i) mx = __hmax2(mx, abs2<T>(w[i]));
-        return fmaxf(fmaxf(0.0f, In<T>::f32(mx.x)), In<T>::f32(mx.y));
-    }
-}
-
 // Rowwise only. A CTA of 256 threads covers 16 rows x 256*B columns, thread t row t/16 and
 // the B consecutive 1x16 blocks from column (t%16)*16*B, loaded before any is quantized
 // (B*32 bytes of bf16 in flight per thread); a warp reads two runs of 512*B contiguous
@@ -264,15 +236,16 @@ __device__ void nvfp4_row_impl(const T* __restrict__ x, u64 m, u64 k, const floa
 // 8*(l/8) .. +7, loaded as 16-byte vectors (one instruction covers 4 rows x 128 bytes). A
 // 1x16 row block spans the lane pair (xor 1), a 16x1 column block the pair (xor 8); each
 // lane encodes its 8 values of a block into one 32-bit word. A CTA of 8 warps covers 64
-// rows x 256 columns (grid: ceil(m/64) x ceil(k/256)). Every block is quantized and stored
+// rows x 256 columns (ceil(m/64) x ceil(k/256) tiles, tile_row). Every block is quantized and stored
 // as soon as its amax is known, so only the tile stays live (about 80 registers for bf16).
 template <class T>
 __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
     constexpr int W = 8 * (int)sizeof(T) / 16;  // 16-byte vectors per run of 8 elements
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int cg = lane & 7, g = lane >> 3;
-    const u64 r0 = (u64)blockIdx.x * 64 + 32 * (warp / 4) + 8 * g;  // the lane's first row
-    const u64 col = (u64)blockIdx.y * 256 + 64 * (warp % 4) + 8 * cg;  // and first column
+    const u64 gy = (a.k + 255) / 256;
+    const u64 r0 = tile_row(gy) * 64 + 32 * (warp / 4) + 8 * g;   // the lane's first row
+    const u64 col = tile_col(gy) * 256 + 64 * (warp % 4) + 8 * cg;  // and first column
     // m, k multiples of 16: both lanes of a pair are in or out together, so the
     // shuffles below pair valid lanes with valid lanes.
     const bool valid = r0 < a.m && col < a.k;
@@ -356,7 +329,7 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
 
 // ---- every option: 2-D tiles, the RHT, stochastic rounding ------------------------------
 
-// One CTA per 64x64 tile (grid: ceil(m/64) x ceil(k/64), 256 threads). Rowwise: thread t
+// One CTA per 64x64 tile (ceil(m/64) x ceil(k/64) tiles, column-major; 256 threads). Rowwise: thread t
 // owns row t/4 and columns (t%4)*16 .. +16 (one 1x16 block). Columnwise: thread t owns
 // column t/4 and rows (t%4)*16 .. +16 of the tile (one block of the transposed operand).
 template <class T>
@@ -365,7 +338,11 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
     __shared__ float blk[64][4];       // 1x16 block amaxes (rowwise) / transformed (columnwise)
     __shared__ float tmax[4][4];       // 16x16 tile amaxes
     const int t = threadIdx.x;
-    const u64 m0 = (u64)blockIdx.x * 64, k0 = (u64)blockIdx.y * 64;
+    // Tile rows fastest (column-major), unlike the other tile kernels: this kernel writes
+    // its columnwise operand transposed, and on an H200 it ran at 0.53 of a copy in
+    // row-major order against 0.62 in this one (2026-12-03, bench/cuda/nvfp4_variants.cu).
+    const uint32_t gx = (uint32_t)((a.m + 63) / 64);  // 32-bit: see tile_row
+    const u64 m0 = (u64)(blockIdx.x % gx) * 64, k0 = (u64)(blockIdx.x / gx) * 64;
     // Rowwise view.
     const int r = t / 4, c0 = (t % 4) * 16;
     const bool rvalid = m0 + r < a.m && k0 + c0 < a.k;

@@ -199,8 +199,10 @@ pub(crate) fn arg_or_null<'a>(
     };
 }
 
-/// A 2-D grid of `tm x tk` tiles over an `[m, k]` matrix: x over M (up to 2^31 - 1
-/// tiles), y over K (up to 65535 tiles).
+/// The launch of a tile kernel over an `[m, k]` matrix cut into `tm x tk` tiles: a 1-D
+/// grid of one CTA per tile, which the kernel maps to tiles in row-major order
+/// (`tile_row` / `tile_col` in kernels/common.cuh). Fails when there are more than
+/// 2^31 - 1 tiles.
 pub(crate) fn tile_grid(
     op: &'static str,
     m: usize,
@@ -208,19 +210,18 @@ pub(crate) fn tile_grid(
     tm: usize,
     tk: usize,
 ) -> Result<LaunchConfig> {
-    let gy = k.div_ceil(tk).max(1);
-    if gy > 65_535 {
+    let tiles = m.div_ceil(tm).max(1).saturating_mul(k.div_ceil(tk).max(1));
+    if tiles > i32::MAX as usize {
         return Err(Error::shape(
             op,
-            format!("K = {k} exceeds the kernel's {tk}x65535-column grid"),
+            format!(
+                "[{m}, {k}] needs {tiles} tiles of {tm}x{tk}; the launch grid holds at most {}",
+                i32::MAX
+            ),
         ));
     }
     Ok(LaunchConfig {
-        grid_dim: (
-            m.div_ceil(tm).clamp(1, i32::MAX as usize) as u32,
-            gy as u32,
-            1,
-        ),
+        grid_dim: (tiles as u32, 1, 1),
         block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: 0,
     })
