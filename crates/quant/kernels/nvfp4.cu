@@ -338,9 +338,10 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
     __shared__ float blk[64][4];       // 1x16 block amaxes (rowwise) / transformed (columnwise)
     __shared__ float tmax[4][4];       // 16x16 tile amaxes
     const int t = threadIdx.x;
-    // Tile rows fastest (column-major), unlike the other tile kernels: this kernel writes
-    // its columnwise operand transposed, and on an H200 it ran at 0.53 of a copy in
-    // row-major order against 0.62 in this one (2026-12-03, bench/cuda/nvfp4_variants.cu).
+    // Tile rows fastest (column-major, the order of its former 2-D grid), unlike the other
+    // tile kernels. The division made the compiler take 63 registers instead of 48 (4
+    // CTAs per SM instead of 5; rowwise alone on an H200 0.547 of a copy instead of
+    // 0.599); the launch bound of 5 CTAs gives the 48 back without spills.
     const uint32_t gx = (uint32_t)((a.m + 63) / 64);  // 32-bit: see tile_row
     const u64 m0 = (u64)(blockIdx.x % gx) * 64, k0 = (u64)(blockIdx.x / gx) * 64;
     // Rowwise view.
@@ -441,8 +442,8 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
 }
 
 #define NVFP4(SUFFIX, T)                                                                        \
-    extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_##SUFFIX(const T* __restrict__ x, \
-                                                                             const Nvfp4Args a) { \
+    extern "C" __global__ void __launch_bounds__(256, 5) tessera_nvfp4_##SUFFIX(const T* __restrict__ x, \
+                                                                                const Nvfp4Args a) { \
         nvfp4_impl<T>(x, a);                                                                     \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_rht_amax_##SUFFIX(           \
