@@ -132,6 +132,12 @@ template <class T> __device__ __forceinline__ uint32_t hmax2w(uint32_t a, uint32
     return *reinterpret_cast<const uint32_t*>(&r);
 }
 
+// The max of a float over this lane and the lanes xor each of Masks (NaN-ignoring).
+template <int... Masks> __device__ __forceinline__ float fmax_lanes(float a) {
+    ((a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, Masks))), ...);
+    return a;
+}
+
 // The low and the high element of a raw word of 2-byte T, as float (exact).
 template <class T> __device__ __forceinline__ float lo_f32(uint32_t w) {
     if constexpr (In<T>::bf16) return __uint_as_float(w << 16);
@@ -140,6 +146,19 @@ template <class T> __device__ __forceinline__ float lo_f32(uint32_t w) {
 template <class T> __device__ __forceinline__ float hi_f32(uint32_t w) {
     if constexpr (In<T>::bf16) return __uint_as_float(w & 0xFFFF0000u);
     else return __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+}
+
+// The max of a packed word of 2-byte T over this lane and the lanes xor each of Masks,
+// then its two halves as floats, 0 for a half that stayed NaN (as the fmaxf chain from 0).
+template <class T, int... Masks> __device__ __forceinline__ void hmax2_lanes(uint32_t w, float& lo, float& hi) {
+    ((w = hmax2w<T>(w, __shfl_xor_sync(0xFFFFFFFFu, w, Masks))), ...);
+    lo = fmaxf(0.0f, lo_f32<T>(w));
+    hi = fmaxf(0.0f, hi_f32<T>(w));
+}
+
+// (max of row A, max of row B) from the packed pair maxima hA of row A and hB of row B.
+template <class T> __device__ __forceinline__ uint32_t hmax2_rows(uint32_t hA, uint32_t hB) {
+    return hmax2w<T>(__byte_perm(hA, hB, 0x5410), __byte_perm(hA, hB, 0x7632));
 }
 
 // ---- reductions ----------------------------------------------------------------------
@@ -339,12 +358,7 @@ template <class T> struct Tile128 {
                     for (int p = 1; p < 8; ++p) a = hmax2w<T>(a, d.w[2 * q + t][p] & 0x7FFF7FFFu);
                     h[t] = a;
                 }
-                uint32_t r = hmax2w<T>(__byte_perm(h[0], h[1], 0x5410), __byte_perm(h[0], h[1], 0x7632));
-                r = hmax2w<T>(r, __shfl_xor_sync(0xFFFFFFFFu, r, 1));
-                r = hmax2w<T>(r, __shfl_xor_sync(0xFFFFFFFFu, r, 2));
-                r = hmax2w<T>(r, __shfl_xor_sync(0xFFFFFFFFu, r, 4));
-                ra[2 * q] = fmaxf(0.0f, lo_f32<T>(r));
-                ra[2 * q + 1] = fmaxf(0.0f, hi_f32<T>(r));
+                hmax2_lanes<T, 1, 2, 4>(hmax2_rows<T>(h[0], h[1]), ra[2 * q], ra[2 * q + 1]);
             }
         } else {
 #pragma unroll
@@ -352,9 +366,7 @@ template <class T> struct Tile128 {
                 float a = 0.0f;
 #pragma unroll
                 for (int j = 0; j < 16; ++j) a = fmaxf(a, fabsf(at(i, j)));
-                a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
-                a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
-                ra[i] = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 4));
+                ra[i] = fmax_lanes<1, 2, 4>(a);
             }
         }
     }
@@ -365,19 +377,15 @@ template <class T> struct Tile128 {
         if constexpr (sizeof(T) == 2) {
 #pragma unroll
             for (int p = 0; p < 8; ++p) {
-                uint32_t a = hmax2w<T>(hmax2w<T>(d.w[0][p] & 0x7FFF7FFFu, d.w[1][p] & 0x7FFF7FFFu),
-                                       hmax2w<T>(d.w[2][p] & 0x7FFF7FFFu, d.w[3][p] & 0x7FFF7FFFu));
-                a = hmax2w<T>(a, __shfl_xor_sync(0xFFFFFFFFu, a, 8));
-                a = hmax2w<T>(a, __shfl_xor_sync(0xFFFFFFFFu, a, 16));
-                ca[2 * p] = fmaxf(0.0f, lo_f32<T>(a));
-                ca[2 * p + 1] = fmaxf(0.0f, hi_f32<T>(a));
+                const uint32_t a = hmax2w<T>(hmax2w<T>(d.w[0][p] & 0x7FFF7FFFu, d.w[1][p] & 0x7FFF7FFFu),
+                                             hmax2w<T>(d.w[2][p] & 0x7FFF7FFFu, d.w[3][p] & 0x7FFF7FFFu));
+                hmax2_lanes<T, 8, 16>(a, ca[2 * p], ca[2 * p + 1]);
             }
         } else {
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
-                float a = fmaxf(fmaxf(fabsf(at(0, j)), fabsf(at(1, j))), fmaxf(fabsf(at(2, j)), fabsf(at(3, j))));
-                a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 8));
-                ca[j] = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 16));
+                const float a = fmaxf(fmaxf(fabsf(at(0, j)), fabsf(at(1, j))), fmaxf(fabsf(at(2, j)), fabsf(at(3, j))));
+                ca[j] = fmax_lanes<8, 16>(a);
             }
         }
     }

@@ -57,22 +57,15 @@ __device__ __forceinline__ void mxfp8_tile_amax(const Warp32x64<T>& x8, float* r
             uint32_t c = a[0][p];
 #pragma unroll
             for (int i = 1; i < 8; ++i) c = hmax2w<T>(c, a[i][p]);
-            c = hmax2w<T>(c, __shfl_xor_sync(0xFFFFFFFFu, c, 8));
-            c = hmax2w<T>(c, __shfl_xor_sync(0xFFFFFFFFu, c, 16));
-            col[2 * p] = fmaxf(0.0f, lo_f32<T>(c));
-            col[2 * p + 1] = fmaxf(0.0f, hi_f32<T>(c));
+            hmax2_lanes<T, 8, 16>(c, col[2 * p], col[2 * p + 1]);
         }
 #pragma unroll
         for (int q = 0; q < 4; ++q) {  // rows 2q, 2q + 1
-            uint32_t r0 = hmax2w<T>(hmax2w<T>(a[2 * q][0], a[2 * q][1]), hmax2w<T>(a[2 * q][2], a[2 * q][3]));
-            uint32_t r1 = hmax2w<T>(hmax2w<T>(a[2 * q + 1][0], a[2 * q + 1][1]),
-                                    hmax2w<T>(a[2 * q + 1][2], a[2 * q + 1][3]));
-            // (max of row 2q, max of row 2q + 1) from their low and high halves.
-            uint32_t r = hmax2w<T>(__byte_perm(r0, r1, 0x5410), __byte_perm(r0, r1, 0x7632));
-            r = hmax2w<T>(r, __shfl_xor_sync(0xFFFFFFFFu, r, 1));
-            r = hmax2w<T>(r, __shfl_xor_sync(0xFFFFFFFFu, r, 2));
-            row[2 * q] = fmaxf(0.0f, lo_f32<T>(r));
-            row[2 * q + 1] = fmaxf(0.0f, hi_f32<T>(r));
+            uint32_t h[2];
+#pragma unroll
+            for (int t = 0; t < 2; ++t)
+                h[t] = hmax2w<T>(hmax2w<T>(a[2 * q + t][0], a[2 * q + t][1]), hmax2w<T>(a[2 * q + t][2], a[2 * q + t][3]));
+            hmax2_lanes<T, 1, 2>(hmax2_rows<T>(h[0], h[1]), row[2 * q], row[2 * q + 1]);
         }
     } else {
 #pragma unroll
@@ -80,16 +73,14 @@ __device__ __forceinline__ void mxfp8_tile_amax(const Warp32x64<T>& x8, float* r
             float c = 0.0f;
 #pragma unroll
             for (int i = 0; i < 8; ++i) c = fmaxf(c, fabsf(x8.at(i, j)));
-            c = fmaxf(c, __shfl_xor_sync(0xFFFFFFFFu, c, 8));
-            col[j] = fmaxf(c, __shfl_xor_sync(0xFFFFFFFFu, c, 16));
+            col[j] = fmax_lanes<8, 16>(c);
         }
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             float r = 0.0f;
 #pragma unroll
             for (int j = 0; j < 8; ++j) r = fmaxf(r, fabsf(x8.at(i, j)));
-            r = fmaxf(r, __shfl_xor_sync(0xFFFFFFFFu, r, 1));
-            row[i] = fmaxf(r, __shfl_xor_sync(0xFFFFFFFFu, r, 2));
+            row[i] = fmax_lanes<1, 2>(r);
         }
     }
 }
