@@ -231,3 +231,41 @@ pub(crate) fn tile_grid(
 pub(crate) fn device_of(t: &Tensor) -> Result<std::sync::Arc<CudaDevice>> {
     Ok(t.cuda_device()?.clone())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tile_grid_launches_one_cta_per_tile_on_a_1d_grid() {
+        let cfg = tile_grid("test", 16384, 8192, 128, 128).unwrap();
+        assert_eq!(cfg.grid_dim, (128 * 64, 1, 1));
+        assert_eq!(cfg.block_dim, (BLOCK, 1, 1));
+        // Ragged edges round up; an empty matrix still launches one CTA.
+        assert_eq!(
+            tile_grid("test", 65, 257, 64, 256).unwrap().grid_dim,
+            (2 * 2, 1, 1)
+        );
+        assert_eq!(
+            tile_grid("test", 0, 0, 32, 128).unwrap().grid_dim,
+            (1, 1, 1)
+        );
+        // K of more than 65535 tiles is fine now that the grid is 1-D.
+        assert_eq!(
+            tile_grid("test", 32, 128 * 70_000, 32, 128)
+                .unwrap()
+                .grid_dim,
+            (70_000, 1, 1)
+        );
+    }
+
+    #[test]
+    fn tile_grid_refuses_more_tiles_than_a_launch_holds() {
+        let err = tile_grid("test", 1 << 26, 1 << 20, 32, 128).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("[67108864, 1048576]") && msg.contains("2147483647"),
+            "{msg}"
+        );
+    }
+}
