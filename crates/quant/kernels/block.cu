@@ -11,11 +11,12 @@
 template <class T, bool E4M3>
 __device__ void block_row_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2,
                                float eps, float value_for_inf, uint8_t* __restrict__ q_row,
-                               float* __restrict__ s_row, u64 s_row_cols, u64 bx, u64 by) {
+                               float* __restrict__ s_row, u64 s_row_cols) {
     using Tl = Tile128<T>;
     constexpr int V = Tl::V;
     const int t = threadIdx.x, cg = t & 7;
-    const u64 r = bx * 32 + (t >> 3), k0 = by * 128;
+    const u64 gy = (k + 127) / 128, by = tile_col(gy);
+    const u64 r = tile_row(gy) * 32 + (t >> 3), k0 = by * 128;
     union {
         uint4 u[Tl::L];
         uint32_t w[4 * Tl::L];
@@ -173,8 +174,8 @@ template <class T, bool E4M3, bool two_d>
 __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2,
                            float eps, float value_for_inf, uint8_t* __restrict__ q_row,
                            float* __restrict__ s_row, u64 s_row_cols, uint8_t* __restrict__ q_col,
-                           float* __restrict__ s_col, u64 s_col_cols, u64 bx, u64 by) {
-    const u64 m0 = bx * 128, k0 = by * 128;
+                           float* __restrict__ s_col, u64 s_col_cols) {
+    const u64 gy = (k + 127) / 128, m0 = tile_row(gy) * 128, k0 = tile_col(gy) * 128;
     Tile128<T> x4;
     x4.load(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
     block_tile<T, E4M3, two_d>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
@@ -191,23 +192,23 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
             float value_for_inf, int two_d, uint8_t* q_row, float* s_row, u64 s_row_cols,      \
             uint8_t* q_col, float* s_col, u64 s_col_cols) {                                    \
         block_row_impl<T, E4M3>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,     \
-                                s_row_cols, tile_row((k + 127) / 128), tile_col((k + 127) / 128)); \
+                                s_row_cols);                                                   \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_1D)                       \
+    extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_1D)  \
         tessera_fp8_block_1d_##SUFFIX##_##FMT(                                                 \
             const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,         \
             float value_for_inf, int two_d, uint8_t* q_row, float* s_row, u64 s_row_cols,      \
             uint8_t* q_col, float* s_col, u64 s_col_cols) {                                    \
         block_impl<T, E4M3, false>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,  \
-                                   s_row_cols, q_col, s_col, s_col_cols, tile_row((k + 127) / 128), tile_col((k + 127) / 128)); \
+                                   s_row_cols, q_col, s_col, s_col_cols);                      \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_2D)                       \
+    extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_2D)  \
         tessera_fp8_block_2d_##SUFFIX##_##FMT(                                                 \
             const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,         \
             float value_for_inf, int two_d, uint8_t* q_row, float* s_row, u64 s_row_cols,      \
             uint8_t* q_col, float* s_col, u64 s_col_cols) {                                    \
         block_impl<T, E4M3, true>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,   \
-                                  s_row_cols, q_col, s_col, s_col_cols, tile_row((k + 127) / 128), tile_col((k + 127) / 128)); \
+                                  s_row_cols, q_col, s_col, s_col_cols);                       \
     }
 BLOCK_KERNEL(f32, float, e4m3, true)
 BLOCK_KERNEL(f32, float, e5m2, false)

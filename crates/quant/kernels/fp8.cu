@@ -139,7 +139,7 @@ __device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict
                                     float* __restrict__ scale_inv, float* __restrict__ amax) {
     __shared__ float smem[32];
     const float scale = scale_ptr[0];
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) scale_inv[0] = __frcp_rn(scale);
+    if (blockIdx.x == 0 && threadIdx.x == 0) scale_inv[0] = __frcp_rn(scale);
     const u64 m0 = tile_row((k + 127) / 128) * 128, k0 = tile_col((k + 127) / 128) * 128;
     Tile128<T> x4;
     x4.load(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);

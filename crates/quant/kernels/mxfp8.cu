@@ -10,10 +10,11 @@
 template <class T, bool E4M3>
 __device__ void mxfp8_row_impl(const T* __restrict__ x, u64 m, u64 k, float max_rcp,
                                uint8_t* __restrict__ q_row, uint8_t* __restrict__ s_row,
-                               u64 s_row_cols, int swizzled, u64 bx, u64 by) {
+                               u64 s_row_cols, int swizzled) {
     const int t = threadIdx.x;
     const int c0 = (t % 8) * 16;
-    const u64 row = bx * 32 + t / 8, k0 = by * 128;
+    const u64 gy = (k + 127) / 128;
+    const u64 row = tile_row(gy) * 32 + t / 8, k0 = tile_col(gy) * 128;
     const bool valid = k0 + c0 < k;  // k % 32 == 0: a thread's 16 columns are all in or out
     constexpr int L = (int)sizeof(T);  // 16-byte vectors per 16 elements
     union {
@@ -216,9 +217,10 @@ template <class T, bool E4M3, bool two_d>
 __device__ void mxfp8_impl(const T* __restrict__ x, u64 m, u64 k, float max_rcp,
                            uint8_t* __restrict__ q_row, uint8_t* __restrict__ s_row, u64 s_row_cols,
                            uint8_t* __restrict__ q_col, uint8_t* __restrict__ s_col, u64 s_col_rows,
-                           u64 s_col_cols, int swizzled, u64 bx, u64 by) {
+                           u64 s_col_cols, int swizzled) {
     __shared__ uint32_t stage[64 * 8 / 4];  // compact row scales of the CTA's 64 rows
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const u64 gy = (k + 255) / 256, bx = tile_row(gy), by = tile_col(gy);
     const u64 r0 = bx * 64 + 32 * (warp / 4), c0 = by * 256 + 64 * (warp % 4);
     const bool staged = q_row != nullptr && !swizzled;
     if (r0 < m) {  // uniform over the warp (m % 32 == 0)
@@ -253,22 +255,21 @@ __device__ void mxfp8_impl(const T* __restrict__ x, u64 m, u64 k, float max_rcp,
         const T* __restrict__ x, u64 m, u64 k, float max_rcp, uint8_t* q_row, uint8_t* s_row,  \
         u64 s_row_cols, uint8_t* q_col, uint8_t* s_col, u64 s_col_rows, u64 s_col_cols,        \
         int two_d, int swizzled) {                                                             \
-        mxfp8_row_impl<T, E4M3>(x, m, k, max_rcp, q_row, s_row, s_row_cols, swizzled,          \
-                                tile_row((k + 127) / 128), tile_col((k + 127) / 128));             \
+        mxfp8_row_impl<T, E4M3>(x, m, k, max_rcp, q_row, s_row, s_row_cols, swizzled);         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_MXFP8) tessera_mxfp8_##SUFFIX##_##FMT( \
         const T* __restrict__ x, u64 m, u64 k, float max_rcp, uint8_t* q_row, uint8_t* s_row,  \
         u64 s_row_cols, uint8_t* q_col, uint8_t* s_col, u64 s_col_rows, u64 s_col_cols,        \
         int two_d, int swizzled) {                                                             \
         mxfp8_impl<T, E4M3, false>(x, m, k, max_rcp, q_row, s_row, s_row_cols, q_col, s_col,   \
-                                   s_col_rows, s_col_cols, swizzled, tile_row((k + 255) / 256), tile_col((k + 255) / 256)); \
+                                   s_col_rows, s_col_cols, swizzled);                                                 \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_MXFP8) tessera_mxfp8_2d_##SUFFIX##_##FMT( \
         const T* __restrict__ x, u64 m, u64 k, float max_rcp, uint8_t* q_row, uint8_t* s_row,  \
         u64 s_row_cols, uint8_t* q_col, uint8_t* s_col, u64 s_col_rows, u64 s_col_cols,        \
         int two_d, int swizzled) {                                                             \
         mxfp8_impl<T, E4M3, true>(x, m, k, max_rcp, q_row, s_row, s_row_cols, q_col, s_col,    \
-                                  s_col_rows, s_col_cols, swizzled, tile_row((k + 255) / 256), tile_col((k + 255) / 256)); \
+                                  s_col_rows, s_col_cols, swizzled);                                                 \
     }
 MXFP8(f32, float, e4m3, true)
 MXFP8(f32, float, e5m2, false)
