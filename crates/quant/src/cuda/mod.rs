@@ -200,9 +200,9 @@ pub(crate) fn arg_or_null<'a>(
 }
 
 /// The launch of a tile kernel over an `[m, k]` matrix cut into `tm x tk` tiles: a 1-D
-/// grid of one CTA per tile, which the kernel maps to tiles in row-major order
-/// (`tile_row` / `tile_col` in kernels/common.cuh). Fails when there are more than
-/// 2^31 - 1 tiles.
+/// grid of one CTA per tile, which the kernel maps to its tile, in row-major order
+/// (`tile_row` / `tile_col` in kernels/common.cuh; the general NVFP4 kernel takes them
+/// column-major). Fails when there are more than 2^31 - 1 tiles.
 pub(crate) fn tile_grid(
     op: &'static str,
     m: usize,
