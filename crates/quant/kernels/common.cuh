@@ -491,7 +491,6 @@ __device__ __forceinline__ u64 tile_col(u64 gy) { return blockIdx.x % (uint32_t)
 // inside the matrix or all outside.
 template <class T> struct Warp32x64 {
     static constexpr int W = 8 * (int)sizeof(T) / 16;  // 16-byte vectors per run of 8
-    static constexpr int V = 16 / (int)sizeof(T);      // elements per vector
     union {
         uint4 u[8][W];
         uint32_t w[8][4 * W];  // 2-byte T: word p holds columns 2p, 2p + 1

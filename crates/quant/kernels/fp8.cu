@@ -156,7 +156,7 @@ __device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict
         float* scale_inv, float* amax) {                                                       \
         cast_impl<T, E4M3>(x, q, n, scale, scale_inv, amax);                                   \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_TILE)                          \
+    extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_TILE)    \
         tessera_fp8_cast_transpose_##SUFFIX##_##FMT(const T* __restrict__ x, uint8_t* q,      \
                                                     uint8_t* qt, u64 m, u64 k,                 \
                                                     const float* scale, float* scale_inv,     \

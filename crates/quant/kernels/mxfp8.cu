@@ -146,12 +146,24 @@ __device__ void mxfp8_tile(const Warp32x64<T>& x8, u64 r0, u64 c0, u64 k, float 
     const u64 jb = col / 32, ib = r0 / 32;
     float ra[8], ca[8];
     mxfp8_tile_amax<T>(x8, ra, ca);
+    // Lane h of a block writes the scales of its rows 2h, 2h + 1, lane g of a column
+    // group those of its columns 2g, 2g + 1.
+    auto put_row_scales = [&](const uint8_t* re) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) put_row_scale(s_row, s_row_cols, swizzled, stage, r + 2 * h + t, jb, re[t]);
+    };
+    auto put_col_scales = [&](const uint8_t* ce) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            const u64 cj = col + 2 * g + t;
+            s_col[swizzled ? swizzled_index(cj, ib, s_col_rows) : ib * s_col_cols + cj] = ce[t];
+        }
+    };
     if (two_d) {
         // One scale for the 32x32 tile (the max over a column group's 8 column maxima
         // and the 4 lanes of the block); both operands get the same bytes.
-        float a = fmaxf(fmaxf(fmaxf(ca[0], ca[1]), fmaxf(ca[2], ca[3])), fmaxf(fmaxf(ca[4], ca[5]), fmaxf(ca[6], ca[7])));
-        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
-        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
+        const float a = fmax_lanes<1, 2>(
+            fmaxf(fmaxf(fmaxf(ca[0], ca[1]), fmaxf(ca[2], ca[3])), fmaxf(fmaxf(ca[4], ca[5]), fmaxf(ca[6], ca[7]))));
         if (!valid) return;
         const uint8_t e = float_to_e8m0(__fmul_rn(a, max_rcp));
         const float s = e8m0_reciprocal(e);
@@ -164,25 +176,15 @@ __device__ void mxfp8_tile(const Warp32x64<T>& x8, u64 r0, u64 c0, u64 k, float 
             if (qr != nullptr) *reinterpret_cast<uint2*>(qr + i * k) = v;
             if (qc != nullptr) *reinterpret_cast<uint2*>(qc + i * k) = v;
         }
-        // Lane h of a block writes its rows 2h, 2h + 1; lane g of a column group its
-        // columns 2g, 2g + 1.
-        if (q_row != nullptr) {
-#pragma unroll
-            for (int t = 0; t < 2; ++t) put_row_scale(s_row, s_row_cols, swizzled, stage, r + 2 * h + t, jb, e);
-        }
-        if (q_col != nullptr) {
-#pragma unroll
-            for (int t = 0; t < 2; ++t) {
-                const u64 cj = col + 2 * g + t;
-                s_col[swizzled ? swizzled_index(cj, ib, s_col_rows) : ib * s_col_cols + cj] = e;
-            }
-        }
+        const uint8_t es[2] = {e, e};
+        if (q_row != nullptr) put_row_scales(es);
+        if (q_col != nullptr) put_col_scales(es);
         return;
     }
     float rm[8], cm[8];  // the multipliers of the lane's 8 rows and 8 columns
     uint8_t re[2], ce[2];
-    // Row scales: lane h of a block computes rows 2h, 2h + 1. Column scales: lane g of a
-    // column group computes columns 2g, 2g + 1.
+    // The writers compute the scales: row scales by lane h of a block, column scales by
+    // lane g of a column group.
     if (q_row != nullptr) mxfp8_scales(ra, h, max_rcp, re, rm, [&](int q) { return (lane & ~3) | q; });
     if (q_col != nullptr) mxfp8_scales(ca, g, max_rcp, ce, cm, [&](int q) { return (lane & 7) | (q << 3); });
     if (!valid) return;
@@ -194,8 +196,7 @@ __device__ void mxfp8_tile(const Warp32x64<T>& x8, u64 r0, u64 c0, u64 k, float 
             *reinterpret_cast<uint2*>(qr + i * k) =
                 make_uint2(mxfp8_word<T, E4M3>(x8, i, 0, mul), mxfp8_word<T, E4M3>(x8, i, 1, mul));
         }
-#pragma unroll
-        for (int t = 0; t < 2; ++t) put_row_scale(s_row, s_row_cols, swizzled, stage, r + 2 * h + t, jb, re[t]);
+        put_row_scales(re);
     }
     if (q_col != nullptr) {
         uint8_t* const qc = q_col + r * k + col;
@@ -203,11 +204,7 @@ __device__ void mxfp8_tile(const Warp32x64<T>& x8, u64 r0, u64 c0, u64 k, float 
         for (int i = 0; i < 8; ++i)
             *reinterpret_cast<uint2*>(qc + i * k) =
                 make_uint2(mxfp8_word<T, E4M3>(x8, i, 0, cm), mxfp8_word<T, E4M3>(x8, i, 1, cm + 4));
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-            const u64 cj = col + 2 * g + t;
-            s_col[swizzled ? swizzled_index(cj, ib, s_col_rows) : ib * s_col_cols + cj] = ce[t];
-        }
+        put_col_scales(ce);
     }
 }
 
@@ -262,14 +259,14 @@ __device__ void mxfp8_impl(const T* __restrict__ x, u64 m, u64 k, float max_rcp,
         u64 s_row_cols, uint8_t* q_col, uint8_t* s_col, u64 s_col_rows, u64 s_col_cols,        \
         int two_d, int swizzled) {                                                             \
         mxfp8_impl<T, E4M3, false>(x, m, k, max_rcp, q_row, s_row, s_row_cols, q_col, s_col,   \
-                                   s_col_rows, s_col_cols, swizzled);                                                 \
+                                   s_col_rows, s_col_cols, swizzled);                          \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_MXFP8) tessera_mxfp8_2d_##SUFFIX##_##FMT( \
         const T* __restrict__ x, u64 m, u64 k, float max_rcp, uint8_t* q_row, uint8_t* s_row,  \
         u64 s_row_cols, uint8_t* q_col, uint8_t* s_col, u64 s_col_rows, u64 s_col_cols,        \
         int two_d, int swizzled) {                                                             \
         mxfp8_impl<T, E4M3, true>(x, m, k, max_rcp, q_row, s_row, s_row_cols, q_col, s_col,    \
-                                  s_col_rows, s_col_cols, swizzled);                                                 \
+                                  s_col_rows, s_col_cols, swizzled);                           \
     }
 MXFP8(f32, float, e4m3, true)
 MXFP8(f32, float, e5m2, false)
