@@ -127,7 +127,7 @@ static void run_shape(u64 M, u64 K, int normal) {
                     std::snprintf(name, sizeof name, "%s%s", label, swz ? " swz" : "");
                     report(name, t);
                 };
-                both_run(both_var<1>, "both warp 32x64, no register cap");
+                both_run(both_var<2>, "both warp 32x64, 2 CTAs/SM");
                 both_run(tessera_nvfp4_both_bf16, "both shipped (NVFP4_BOTH_MINB CTAs/SM)");
                 both_run(both_var<4>, "both warp 32x64, 4 CTAs/SM");
             }

@@ -485,6 +485,26 @@ __device__ __forceinline__ void store_run(uint8_t* __restrict__ q, u64 m, u64 k,
 __device__ __forceinline__ u64 tile_row(u64 gy) { return blockIdx.x / (uint32_t)gy; }
 __device__ __forceinline__ u64 tile_col(u64 gy) { return blockIdx.x % (uint32_t)gy; }
 
+// Banded order, for kernels whose columnwise scales are a few bytes per column and tile:
+// bands of h = min(TQ_BAND_ROWS, gx) tile rows, each band taken tile column by tile
+// column with its tile rows fastest, so that the 32 CTAs filling one 128-byte line of a
+// compact columnwise scale grid (4 bytes each) run together (HBM writes whole sectors; a
+// line completed by CTAs waves apart was written back in pieces), and the neighbours in
+// a rowwise scale row run within a band's width of each other. gx x gy tiles; h * gy <=
+// gx * gy < 2^31 keeps it in 32 bits.
+#ifndef TQ_BAND_ROWS
+#define TQ_BAND_ROWS 32u
+#endif
+struct TileRC {
+    uint32_t row, col;
+};
+__device__ __forceinline__ TileRC tile_banded(uint32_t gx, uint32_t gy) {
+    const uint32_t h = min(TQ_BAND_ROWS, gx), per_band = h * gy;
+    const uint32_t band = blockIdx.x / per_band, rem = blockIdx.x % per_band;
+    const uint32_t rows = min(h, gx - band * h);  // the last band may be shorter
+    return {band * h + rem % rows, rem / rows};
+}
+
 // A warp's 32-row x 64-column tile in registers: lane l holds the 8 consecutive columns
 // 8*(l%8) .. +7 of the 8 rows 8*(l/8) .. +7 as 16-byte vectors (one instruction covers 4
 // rows x 128 bytes). Shapes are multiples of 32 (MXFP8), so a lane's 8 columns are all

@@ -232,37 +232,28 @@ __device__ void nvfp4_row_impl(const T* __restrict__ x, u64 m, u64 k, const floa
 }
 
 // Both orientations (either may be null). Each warp quantizes a 32-row x 64-column tile
-// alone, with no shared memory or barrier: lane l owns columns 8*(l%8) .. +7 of rows
-// 8*(l/8) .. +7, loaded as 16-byte vectors (one instruction covers 4 rows x 128 bytes). A
-// 1x16 row block spans the lane pair (xor 1), a 16x1 column block the pair (xor 8); each
-// lane encodes its 8 values of a block into one 32-bit word. A CTA of 8 warps covers 64
-// rows x 256 columns (ceil(m/64) x ceil(k/256) tiles, tile_row). Every block is quantized and stored
-// as soon as its amax is known, so only the tile stays live (about 80 registers for bf16).
-template <class T>
-__device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
-    constexpr int W = 8 * (int)sizeof(T) / 16;  // 16-byte vectors per run of 8 elements
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int cg = lane & 7, g = lane >> 3;
-    const u64 gy = (a.k + 255) / 256;
-    const u64 r0 = tile_row(gy) * 64 + 32 * (warp / 4) + 8 * g;   // the lane's first row
-    const u64 col = tile_col(gy) * 256 + 64 * (warp % 4) + 8 * cg;  // and first column
-    // m, k multiples of 16: both lanes of a pair are in or out together, so the
-    // shuffles below pair valid lanes with valid lanes.
-    const bool valid = r0 < a.m && col < a.k;
-    union {
-        uint4 u[8][W];
-        uint32_t w[8][4 * W];
-        T e[8][8];
-    } d;
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int w = 0; w < W; ++w)
-            d.u[i][w] = valid ? reinterpret_cast<const uint4*>(x + (r0 + i) * a.k + col)[w] : make_uint4(0u, 0u, 0u, 0u);
+// alone: lane l owns columns 8*(l%8) .. +7 of rows 8*(l/8) .. +7, loaded as 16-byte
+// vectors (one instruction covers 4 rows x 128 bytes). A 1x16 row block spans the lane
+// pair (xor 1), a 16x1 column block the pair (xor 8); each lane encodes its 8 values of a
+// block into one 32-bit word. A CTA of 8 warps covers 64 rows x 256 columns (ceil(m/64) x
+// ceil(k/256) tiles, tile_banded).
+template <class T> union BothTile {
+    static constexpr int W = 8 * (int)sizeof(T) / 16;  // 16-byte vectors per run of 8 elements
+    uint4 u[8][W];
+    uint32_t w[8][4 * W];
+    T e[8][8];
+};
+
+// Any values: every block quantized and stored as soon as its amax is known (the E2M1
+// encoder with saturation and NaN), so only the tile stays live. The scale byte of the
+// lane's row block i goes to put_row(i, e), of its column block j to put_col(j, e), on
+// every lane (both lanes of a pair, and lanes past the edge with e = 0).
+template <class T, class PutRow, class PutCol>
+__device__ void nvfp4_both_general(const BothTile<T>& d, u64 r0, u64 col, bool valid, const Nvfp4Args& a,
+                                   PutRow put_row, PutCol put_col) {
     if (a.q_col != nullptr) {
         const float s_enc = global_encode_scale(a.amax_col[0]);
         const float s_dec = __frcp_rn(s_enc);
-        const u64 ib = r0 / 16;
         // The lane's 8 column amaxes over its 8 rows (2-byte types: word p of a row
         // holds columns 2p and 2p + 1, reduced as pairs).
         float ca[8];
@@ -290,17 +281,15 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
             for (int i = 0; i < 8; ++i) v[i] = In<T>::f32(d.e[i][j]);
             const float amax = fmaxf(ca[j], __shfl_xor_sync(0xFFFFFFFFu, ca[j], 8));
             const uint8_t e = block_scale(amax, s_enc);
-            if (valid) {
-                const u64 c = col + j;
-                *reinterpret_cast<uint32_t*>(a.q_col + c * (a.m / 2) + r0 / 2) = e2m1x8(v, block_encode_scale(e, s_dec));
-                if ((g & 1) == 0) a.s_col[a.swizzled ? swizzled_index(c, ib, a.s_col_cols) : c * a.s_col_cols + ib] = e;
-            }
+            if (valid)
+                *reinterpret_cast<uint32_t*>(a.q_col + (col + j) * (a.m / 2) + r0 / 2) =
+                    e2m1x8(v, block_encode_scale(e, s_dec));
+            put_col(j, e);
         }
     }
     if (a.q_row != nullptr) {
         const float s_enc = global_encode_scale(a.amax_row[0]);
         const float s_dec = __frcp_rn(s_enc);
-        const u64 jb = col / 16;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             float v[8];
@@ -309,12 +298,255 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
             float amax = amax_of<T, 8>(d.w[i]);
             amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
             const uint8_t e = block_scale(amax, s_enc);
-            if (valid) {
+            if (valid)
+                *reinterpret_cast<uint32_t*>(a.q_row + (r0 + i) * (a.k / 2) + col / 2) =
+                    e2m1x8(v, block_encode_scale(e, s_dec));
+            put_row(i, e);
+        }
+    }
+}
+
+// ---- the fast path of the both kernel (2-byte inputs) ------------------------------------
+//
+// Most tiles hold only finite values whose blocks get normal E4M3 scales; for them the
+// encoder needs neither saturation nor NaN handling, the sign can be read from the raw
+// input bits, and the least of the three roundings is one 3-input integer min. A warp
+// takes this path when every block of its tile passes `b <= lim[e]` (below), else the
+// general path; both give the same bytes.
+
+// prmt.b32 (default mode): byte n of the result is the byte of {b, a} chosen by nibble n
+// of s, or that byte's sign bit replicated when the nibble's bit 3 is set.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
+    uint32_t r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+    return r;
+}
+
+// The sign nibbles of 8 two-byte elements: bit 4j+3 is the sign of element j, all other
+// bits 0. u holds (as 0x00/0xFF bytes) the signs of elements 0, 2, 4, 6 and v those of 1,
+// 3, 5, 7.
+__device__ __forceinline__ uint32_t sign_nibbles(uint32_t u, uint32_t v) {
+    return (u & 0x08080808u) | (v & 0x80808080u);
+}
+
+// The sign nibbles of a row block of 8 elements, element 2p in the low and 2p + 1 in the
+// high half of word p (the sign of each half is bit 7 of its byte 1 or 3).
+__device__ __forceinline__ uint32_t row_signs(const uint32_t* w) {
+    const uint32_t s01 = prmt(w[0], w[1], 0xFBD9u);  // signs of elements 0, 2, 1, 3
+    const uint32_t s23 = prmt(w[2], w[3], 0xFBD9u);  // 4, 6, 5, 7
+    return sign_nibbles(prmt(s01, s23, 0x5410u), prmt(s01, s23, 0x7632u));
+}
+
+// The sign nibbles of the column blocks 2p (lo) and 2p + 1 (hi) over rows 0 .. 7, word p
+// of row i given as c[i].
+__device__ __forceinline__ void col_signs(const uint32_t* c, uint32_t& lo, uint32_t& hi) {
+    const uint32_t s02 = prmt(c[0], c[2], 0xFBD9u);  // rows 0, 2 of column 2p, then of 2p + 1
+    const uint32_t s13 = prmt(c[1], c[3], 0xFBD9u);
+    const uint32_t s46 = prmt(c[4], c[6], 0xFBD9u);
+    const uint32_t s57 = prmt(c[5], c[7], 0xFBD9u);
+    lo = sign_nibbles(prmt(s02, s46, 0x5410u), prmt(s13, s57, 0x5410u));
+    hi = sign_nibbles(prmt(s02, s46, 0x7632u), prmt(s13, s57, 0x7632u));
+}
+
+// 8 values times g to their E2M1 magnitudes (element j in bits 4j .. 4j+2) when every
+// |v g| < 7 and none is NaN: e2m1_biased without its saturation term (the a/2 + 4 line
+// stays at or below 7 there), the minimum taken on the float bits as unsigned integers
+// (they order alike: all in [2^23, 2^24)), one 3-input min each.
+__device__ __forceinline__ uint32_t e2m1x8_magnitudes(const float* v, float g) {
+    const float k = 8388608.0f;  // 2^23
+    uint32_t w = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float a = fabsf(__fmul_rn(v[j], g));
+        const uint32_t f0 = __float_as_uint(__fmaf_rn(a, 2.0f, k));
+        const uint32_t f1 = __float_as_uint(__fadd_rn(a, k + 2.0f));
+        const uint32_t f2 = __float_as_uint(__fmaf_rn(a, 0.5f, k + 4.0f));
+        w += min(min(f0, f1), f2) << (4 * j);
+    }
+    return w - 0x4B000000u * 0x11111111u;
+}
+
+// Per block-scale byte e: the encode scale g = block_encode_scale(e, s_dec), and lim, the
+// largest block amax the fast path takes with it. lim = 6.5 * (e * s_dec) (at most
+// FLT_MAX) keeps every |v g| <= b g <= 6.5 (1 + 2^-22) < 7; a block whose e came from its
+// own amax b by rounding to a normal, unsaturated E4M3 value has b g <= 6.4 (1 + 2^-21)
+// (E4M3 rounds by at most 2^-4 relative), so passes; zero blocks (e = 0, lim = 0) pass;
+// NaN amaxes fail every comparison, an infinite one fails lim <= FLT_MAX, and e = 0x7F
+// (NaN) gets lim = -1.
+__device__ __forceinline__ float2 block_table_entry(uint32_t e, float s_dec) {
+    const float d = __fmul_rn(fp8_to_f32<true>((uint8_t)e), s_dec);
+    const float g = fminf(__frcp_rn(d), 3.402823466e38f);
+    return make_float2(g, e >= 0x7Fu ? -1.0f : fminf(__fmul_rn(6.5f, d), 3.402823466e38f));
+}
+
+// NaN-propagating packed max of two raw words of 2-byte T (a NaN anywhere in a block
+// makes its amax NaN, which sends the warp to the general path), and packed |.|.
+template <class T> __device__ __forceinline__ uint32_t hmax2w_nan(uint32_t a, uint32_t b) {
+    using P = typename Pair<T>::type;
+    const P r = __hmax2_nan(*reinterpret_cast<const P*>(&a), *reinterpret_cast<const P*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&r);
+}
+template <class T> __device__ __forceinline__ uint32_t habs2w(uint32_t a) {
+    const auto r = abs2<T>(a);
+    return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// Scale bytes of a 64x256 CTA tile, staged so that they leave as 4-byte words: row block
+// (r, jb) at row[r][jb] (64 rows x 16 blocks), column block (c, ib) at col[c][ib] (256
+// columns x 4 blocks of 16 rows). A word holds 4 consecutive blocks of one row of a
+// scale grid, 4-byte aligned in both layouts (the grids have a multiple of 4 columns and
+// the tile's first blocks are multiples of 4), so the flush after the barrier writes each
+// with one store; blocks past the tensor's edge hold 0, as the cleared padding does.
+struct BothScales {
+    uint8_t row[64][16];
+    uint8_t col[256][4];
+};
+
+__device__ __forceinline__ void flush_both_scales(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
+    const int t = threadIdx.x;
+    if (a.q_row != nullptr) {
+        const u64 r = R0 + t / 4, jb = C0 / 16 + 4 * (t % 4);
+        if (r < a.m && jb < a.k / 16) {
+            const u64 i = a.swizzled ? swizzled_index(r, jb, a.s_row_cols) : r * a.s_row_cols + jb;
+            *reinterpret_cast<uint32_t*>(a.s_row + i) = *reinterpret_cast<const uint32_t*>(&s.row[t / 4][4 * (t % 4)]);
+        }
+    }
+    if (a.q_col != nullptr) {
+        const u64 c = C0 + t, ib = R0 / 16;
+        if (c < a.k) {
+            const u64 i = a.swizzled ? swizzled_index(c, ib, a.s_col_cols) : c * a.s_col_cols + ib;
+            *reinterpret_cast<uint32_t*>(a.s_col + i) = *reinterpret_cast<const uint32_t*>(&s.col[t][0]);
+        }
+    }
+}
+
+template <class T>
+__device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int cg = lane & 7, g = lane >> 3;
+    const TileRC tile = tile_banded((uint32_t)((a.m + 63) / 64), (uint32_t)((a.k + 255) / 256));
+    const u64 R0 = (u64)tile.row * 64, C0 = (u64)tile.col * 256;  // the CTA's tile
+    const int rt = 32 * (warp / 4) + 8 * g, ct = 64 * (warp % 4) + 8 * cg;  // the lane's, within it
+    const u64 r0 = R0 + rt, col = C0 + ct;  // the lane's first row and column
+    // m, k multiples of 16: both lanes of a pair are in or out together, so the
+    // shuffles below pair valid lanes with valid lanes.
+    const bool valid = r0 < a.m && col < a.k;
+    BothTile<T> d;
+    const uint4* src = reinterpret_cast<const uint4*>(x + r0 * a.k + col);
+    const u64 row_vectors = a.k * sizeof(T) / 16;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int w = 0; w < BothTile<T>::W; ++w)
+            d.u[i][w] = valid ? src[i * row_vectors + w] : make_uint4(0u, 0u, 0u, 0u);
+    if constexpr (sizeof(T) == 4) {
+        // f32 inputs: the general path, scale bytes stored directly by one lane of a pair.
+        const u64 ib = r0 / 16, jb = col / 16;
+        nvfp4_both_general<T>(
+            d, r0, col, valid, a,
+            [&](int i, uint8_t e) {
                 const u64 r = r0 + i;
-                *reinterpret_cast<uint32_t*>(a.q_row + r * (a.k / 2) + col / 2) = e2m1x8(v, block_encode_scale(e, s_dec));
-                if ((cg & 1) == 0) a.s_row[a.swizzled ? swizzled_index(r, jb, a.s_row_cols) : r * a.s_row_cols + jb] = e;
+                if (valid && (cg & 1) == 0)
+                    a.s_row[a.swizzled ? swizzled_index(r, jb, a.s_row_cols) : r * a.s_row_cols + jb] = e;
+            },
+            [&](int j, uint8_t e) {
+                const u64 c = col + j;
+                if (valid && (g & 1) == 0)
+                    a.s_col[a.swizzled ? swizzled_index(c, ib, a.s_col_cols) : c * a.s_col_cols + ib] = e;
+            });
+    } else {
+        __shared__ float2 tab[2][128];  // (g, lim) per scale byte: [0] rows, [1] columns
+        __shared__ BothScales stage;
+        const float se_row = a.q_row != nullptr ? global_encode_scale(a.amax_row[0]) : 1.0f;
+        const float se_col = a.q_col != nullptr ? global_encode_scale(a.amax_col[0]) : 1.0f;
+        tab[threadIdx.x >> 7][threadIdx.x & 127] =
+            block_table_entry(threadIdx.x & 127, __frcp_rn(threadIdx.x >> 7 ? se_col : se_row));
+        // The tile's |.| maxima as packed words, NaN-propagating: cm[p] columns 2p, 2p + 1
+        // over the lane's rows, then over the pair xor 8; rm[q] rows 2q, 2q + 1 over the
+        // lane's columns, then over the pair xor 1.
+        uint32_t cm[4], rm[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            uint32_t A[4], B[4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                A[p] = habs2w<T>(d.w[2 * q][p]);
+                B[p] = habs2w<T>(d.w[2 * q + 1][p]);
+                cm[p] = q == 0 ? hmax2w_nan<T>(A[p], B[p]) : hmax2w_nan<T>(cm[p], hmax2w_nan<T>(A[p], B[p]));
+            }
+            const uint32_t mA = hmax2w_nan<T>(hmax2w_nan<T>(A[0], A[1]), hmax2w_nan<T>(A[2], A[3]));
+            const uint32_t mB = hmax2w_nan<T>(hmax2w_nan<T>(B[0], B[1]), hmax2w_nan<T>(B[2], B[3]));
+            rm[q] = hmax2w_nan<T>(__byte_perm(mA, mB, 0x5410), __byte_perm(mA, mB, 0x7632));
+        }
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            cm[p] = hmax2w_nan<T>(cm[p], __shfl_xor_sync(0xFFFFFFFFu, cm[p], 8));
+            rm[p] = hmax2w_nan<T>(rm[p], __shfl_xor_sync(0xFFFFFFFFu, rm[p], 1));
+        }
+        __syncthreads();
+        // One lane of each pair stages a block's scale byte: the even one rows 0-3 /
+        // columns 0-3, the odd one the rest.
+        auto put_row = [&](int i, uint8_t e) {
+            if ((i >> 2) == (cg & 1)) stage.row[rt + i][ct / 16] = e;
+        };
+        auto put_col = [&](int j, uint8_t e) {
+            if ((j >> 2) == (g & 1)) stage.col[ct + j][rt / 16] = e;
+        };
+        // Each block's scale byte (block_scale without its clamp, which changes only NaN
+        // amaxes, and those fail lim), encode scale gs[j] and whether it takes the fast path.
+        bool fast = true;
+        auto scales = [&](const uint32_t* mx, float se, int o, float* gs, auto put) {
+            const float sc = __fmul_rn(se, 0.16666667163372040f);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float b = j % 2 ? hi_f32<T>(mx[j / 2]) : lo_f32<T>(mx[j / 2]);
+                const uint32_t e = fp8<true>(__fmul_rn(b, sc));
+                const float2 t = tab[o][e];
+                fast = fast && b <= t.y;
+                gs[j] = t.x;
+                put(j, (uint8_t)e);
+            }
+        };
+        float cgs[8], rgs[8];
+        if (a.q_col != nullptr) scales(cm, se_col, 1, cgs, put_col);
+        if (a.q_row != nullptr) scales(rm, se_row, 0, rgs, put_row);
+        if (!__all_sync(0xFFFFFFFFu, fast)) {
+            nvfp4_both_general<T>(d, r0, col, valid, a, put_row, put_col);
+        } else if (valid) {
+            if (a.q_col != nullptr) {
+                uint8_t* q = a.q_col + col * (a.m / 2) + r0 / 2;
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    uint32_t c[8], slo, shi;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) c[i] = d.w[i][p];
+                    col_signs(c, slo, shi);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float v[8];
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) v[i] = h ? hi_f32<T>(c[i]) : lo_f32<T>(c[i]);
+                        *reinterpret_cast<uint32_t*>(q + (2 * p + h) * (a.m / 2)) =
+                            e2m1x8_magnitudes(v, cgs[2 * p + h]) | (h ? shi : slo);
+                    }
+                }
+            }
+            if (a.q_row != nullptr) {
+                uint8_t* q = a.q_row + r0 * (a.k / 2) + col / 2;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    float v[8];
+#pragma unroll
+                    for (int p = 0; p < 4; ++p) {
+                        v[2 * p] = lo_f32<T>(d.w[i][p]);
+                        v[2 * p + 1] = hi_f32<T>(d.w[i][p]);
+                    }
+                    *reinterpret_cast<uint32_t*>(q + i * (a.k / 2)) = e2m1x8_magnitudes(v, rgs[i]) | row_signs(d.w[i]);
+                }
             }
         }
+        __syncthreads();
+        flush_both_scales(stage, a, R0, C0);
     }
 }
 

@@ -58,9 +58,13 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 
 fn input(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
     let n: usize = shape.iter().product();
-    let v = values(n, seed);
+    tensor_of(&values(n, seed), shape, dtype)
+}
+
+/// `v` as a CPU tensor of `dtype` (f32, bf16 or f16; rounded to nearest).
+fn tensor_of(v: &[f32], shape: &[usize], dtype: DType) -> Tensor {
     match dtype {
-        DType::F32 => Tensor::from_slice(&v, shape, Device::Cpu),
+        DType::F32 => Tensor::from_slice(v, shape, Device::Cpu),
         DType::BF16 => Tensor::from_slice(
             &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
             shape,
@@ -642,6 +646,80 @@ fn nvfp4_matches_the_cpu() {
                                 check_quantizer(&mut q, &x, &what);
                             }
                         }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Finite values of moderate range, with runs of zeros and negative zeros: every NVFP4
+/// block gets a normal E4M3 scale, the input the both-orientations kernel's fast path
+/// takes. With `odd`, a NaN, an infinity and a 16-run 2^-40 smaller than the rest land in
+/// three warp tiles, which take the general path within the same launch.
+fn tame_input(shape: &[usize], dtype: DType, seed: u64, odd: bool) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut g = Generator::new(seed);
+    let mut v = vec![0f32; n];
+    g.fill_normal(&mut v, 0.0, 1.0);
+    for (i, x) in v.iter_mut().enumerate() {
+        // magnitudes from 2^-3 to 2^3, changing every 64 elements
+        *x *= 2f32.powi(((i / 64) as i32 * 3 % 7) - 3);
+        match (i / 16) % 37 {
+            5 => *x = 0.0,
+            11 => *x = -0.0,
+            _ => {}
+        }
+    }
+    if odd {
+        v[n / 3] = f32::NAN;
+        v[2 * n / 3] = f32::INFINITY;
+        let r = n / 2 / 16 * 16;
+        for x in &mut v[r..r + 16] {
+            *x *= 2f32.powi(-40);
+        }
+    }
+    tensor_of(&v, shape, dtype)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn nvfp4_fast_path_matches_the_cpu() {
+    require_gpu();
+    let shapes: &[&[usize]] = &[
+        &[64, 256],
+        &[272, 1040],
+        &[48, 4112],
+        &[1024, 768],
+        &[2112, 528],
+    ];
+    let mut seed = 2600;
+    for &shape in shapes {
+        for dtype in [DType::BF16, DType::F16] {
+            for odd in [false, true] {
+                for swizzled in [false, true] {
+                    for usage in [Usage::Columnwise, Usage::Both] {
+                        seed += 1;
+                        let x = tame_input(shape, dtype, seed, odd);
+                        let mut q = Nvfp4Quantizer::new()
+                            .with_swizzled_scales(swizzled)
+                            .with_usage(usage);
+                        if !odd {
+                            // The input is what the fast path needs: no scale byte is an
+                            // E4M3 subnormal (1 ..= 7) or NaN (0x7F).
+                            let cpu = q.clone().quantize(&x).unwrap();
+                            let s = cpu.buffer(BufferName::ColumnwiseScaleInv).unwrap();
+                            let bytes = s.to_bytes().unwrap();
+                            assert!(
+                                bytes.iter().all(|&b| b == 0 || (8..0x7F).contains(&b)),
+                                "tame input {shape:?} {dtype} has a subnormal or NaN scale"
+                            );
+                        }
+                        let what = format!(
+                            "nvfp4 fast path {shape:?} {dtype} odd={odd} swizzled={swizzled} \
+                             {usage:?}"
+                        );
+                        check_quantizer(&mut q, &x, &what);
                     }
                 }
             }
