@@ -120,7 +120,7 @@ static void run_shape(u64 M, u64 K, int normal) {
                 row(tessera_nvfp4_row_bf16, NVFP4_ROW_BLOCKS, "row shipped (NVFP4_ROW_BLOCKS/thread)");
                 row(row_var<4>, 4, "row 16x1024 (4 blocks/thread)");
             } else {
-                const dim3 grid(((M + 63) / 64) * ((K + 255) / 256));  // 1-D, row-major tiles
+                const dim3 grid(((M + 127) / 128) * ((K + 127) / 128));  // 1-D, 128x128 tiles
                 auto both_run = [&](auto kernel, const char* label) {
                     clear();
                     const float t = time_ms([&] { kernel<<<grid, 256>>>(x, a); });

@@ -619,7 +619,7 @@ fn nvfp4_matches_the_cpu() {
         &[2, 24, 32],
         &[128, 256],
         &[144, 16],
-        // Several full tiles of the 1-D kernels (16x512 rowwise, 64x256 both) and a ragged
+        // Several full tiles of the 1-D kernels (16x512 rowwise, 128x128 both) and a ragged
         // last one in each direction.
         &[272, 1040],
         &[48, 4112],
