@@ -125,10 +125,13 @@ template <class T, int E> __device__ __forceinline__ float amax_of(const uint32_
     }
 }
 
-// Max of two raw words of 2-byte T as pairs (NaN-ignoring per half, as fmaxf).
-template <class T> __device__ __forceinline__ uint32_t hmax2w(uint32_t a, uint32_t b) {
+// Max of two raw words of 2-byte T as pairs: NaN-ignoring per half, as fmaxf, or with
+// Nan = true NaN-propagating (a NaN anywhere makes that half NaN).
+template <class T, bool Nan = false> __device__ __forceinline__ uint32_t hmax2w(uint32_t a, uint32_t b) {
     using P = typename Pair<T>::type;
-    const P r = __hmax2(*reinterpret_cast<const P*>(&a), *reinterpret_cast<const P*>(&b));
+    const P& pa = *reinterpret_cast<const P*>(&a);
+    const P& pb = *reinterpret_cast<const P*>(&b);
+    const P r = Nan ? __hmax2_nan(pa, pb) : __hmax2(pa, pb);
     return *reinterpret_cast<const uint32_t*>(&r);
 }
 
@@ -156,9 +159,10 @@ template <class T, int... Masks> __device__ __forceinline__ void hmax2_lanes(uin
     hi = fmaxf(0.0f, hi_f32<T>(w));
 }
 
-// (max of row A, max of row B) from the packed pair maxima hA of row A and hB of row B.
-template <class T> __device__ __forceinline__ uint32_t hmax2_rows(uint32_t hA, uint32_t hB) {
-    return hmax2w<T>(__byte_perm(hA, hB, 0x5410), __byte_perm(hA, hB, 0x7632));
+// (max of row A, max of row B) from the packed pair maxima hA of row A and hB of row B
+// (NaN policy as hmax2w).
+template <class T, bool Nan = false> __device__ __forceinline__ uint32_t hmax2_rows(uint32_t hA, uint32_t hB) {
+    return hmax2w<T, Nan>(__byte_perm(hA, hB, 0x5410), __byte_perm(hA, hB, 0x7632));
 }
 
 // ---- reductions ----------------------------------------------------------------------
@@ -232,6 +236,11 @@ __device__ __forceinline__ u64 swizzled_index(u64 i, u64 j, u64 cols) {
     const u64 tile = (i / 128) * (cols / 4) + j / 4;
     const u64 r = i % 128;
     return tile * 512 + (r % 32) * 16 + (r / 32) * 4 + j % 4;
+}
+
+// Byte (i, j) of a padded [rows, cols] scale grid, swizzled or row-major (compact).
+__device__ __forceinline__ u64 scale_index(u64 i, u64 j, u64 cols, bool swizzled) {
+    return swizzled ? swizzled_index(i, j, cols) : i * cols + j;
 }
 
 // Loads 16 consecutive elements of T starting at p (16-byte aligned) as floats.

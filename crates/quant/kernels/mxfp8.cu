@@ -35,7 +35,7 @@ __device__ void mxfp8_row_impl(const T* __restrict__ x, u64 m, u64 k, float max_
     reinterpret_cast<uint4*>(q_row + row * k + k0 + c0)[0] = fp8x16<E4M3>(v, e8m0_reciprocal(e));
     if ((t % 2) == 0) {
         const u64 j = (k0 + c0) / 32;
-        s_row[swizzled ? swizzled_index(row, j, s_row_cols) : row * s_row_cols + j] = e;
+        s_row[scale_index(row, j, s_row_cols, swizzled)] = e;
     }
 }
 
@@ -112,7 +112,7 @@ __device__ __forceinline__ void mxfp8_scales(const float* amax, int h, float max
 __device__ __forceinline__ void put_row_scale(uint8_t* __restrict__ s_row, u64 s_row_cols, int swizzled,
                                               uint8_t* stage, u64 ri, u64 jb, uint8_t e) {
     if (stage != nullptr) stage[(ri % 64) * 8 + jb % 8] = e;
-    else s_row[swizzled ? swizzled_index(ri, jb, s_row_cols) : ri * s_row_cols + jb] = e;
+    else s_row[scale_index(ri, jb, s_row_cols, swizzled)] = e;
 }
 
 // Four FP8 bytes (one word) of x8's row i, columns 4h .. 4h + 3, each times its multiplier.
@@ -297,7 +297,7 @@ __device__ void mxfp8_dequant_impl(const uint8_t* __restrict__ q, const uint8_t*
                 v[j] = v[j] * e8m0_value(s[si]);
             }
         } else {
-            const float sc = e8m0_value(s[swizzled ? swizzled_index(r, c / 32, s_cols) : r * s_cols + c / 32]);
+            const float sc = e8m0_value(s[scale_index(r, c / 32, s_cols, swizzled)]);
 #pragma unroll
             for (int j = 0; j < 16; ++j) v[j] = v[j] * sc;
         }

@@ -227,7 +227,7 @@ __device__ void nvfp4_row_impl(const T* __restrict__ x, u64 m, u64 k, const floa
         const float g = block_encode_scale(e, s_dec);
         reinterpret_cast<uint2*>(q + row * (k / 2) + col / 2)[0] = make_uint2(e2m1x8(v, g), e2m1x8(v + 8, g));
         const u64 j = col / 16;
-        s[swizzled ? swizzled_index(row, j, s_cols) : row * s_cols + j] = e;
+        s[scale_index(row, j, s_cols, swizzled)] = e;
     }
 }
 
@@ -379,13 +379,7 @@ __device__ __forceinline__ float2 block_table_entry(uint32_t e, float s_dec) {
     return make_float2(g, e >= 0x7Fu ? -1.0f : fminf(__fmul_rn(6.5f, d), 3.402823466e38f));
 }
 
-// NaN-propagating packed max of two raw words of 2-byte T (a NaN anywhere in a block
-// makes its amax NaN, which sends the warp to the general path), and packed |.|.
-template <class T> __device__ __forceinline__ uint32_t hmax2w_nan(uint32_t a, uint32_t b) {
-    using P = typename Pair<T>::type;
-    const P r = __hmax2_nan(*reinterpret_cast<const P*>(&a), *reinterpret_cast<const P*>(&b));
-    return *reinterpret_cast<const uint32_t*>(&r);
-}
+// Packed |.| of a raw word of 2-byte T.
 template <class T> __device__ __forceinline__ uint32_t habs2w(uint32_t a) {
     const auto r = abs2<T>(a);
     return *reinterpret_cast<const uint32_t*>(&r);
@@ -410,14 +404,14 @@ __device__ __forceinline__ void flush_both_scales(const BothScales& s, const Nvf
     if (a.q_row != nullptr) {
         const u64 r = R0 + t / 2, jb = C0 / 16 + 4 * (t % 2);
         if (r < a.m && jb < a.k / 16) {
-            const u64 i = a.swizzled ? swizzled_index(r, jb, a.s_row_cols) : r * a.s_row_cols + jb;
+            const u64 i = scale_index(r, jb, a.s_row_cols, a.swizzled);
             *reinterpret_cast<uint32_t*>(a.s_row + i) = *reinterpret_cast<const uint32_t*>(&s.row[t / 2][4 * (t % 2)]);
         }
     }
     if (a.q_col != nullptr) {
         const u64 c = C0 + t / 2, ib = R0 / 16 + 4 * (t % 2);
         if (c < a.k && ib < a.m / 16) {
-            const u64 i = a.swizzled ? swizzled_index(c, ib, a.s_col_cols) : c * a.s_col_cols + ib;
+            const u64 i = scale_index(c, ib, a.s_col_cols, a.swizzled);
             *reinterpret_cast<uint32_t*>(a.s_col + i) = *reinterpret_cast<const uint32_t*>(&s.col[t / 2][4 * (t % 2)]);
         }
     }
@@ -450,12 +444,12 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
             [&](int i, uint8_t e) {
                 const u64 r = r0 + i;
                 if (valid && (cg & 1) == 0)
-                    a.s_row[a.swizzled ? swizzled_index(r, jb, a.s_row_cols) : r * a.s_row_cols + jb] = e;
+                    a.s_row[scale_index(r, jb, a.s_row_cols, a.swizzled)] = e;
             },
             [&](int j, uint8_t e) {
                 const u64 c = col + j;
                 if (valid && (g & 1) == 0)
-                    a.s_col[a.swizzled ? swizzled_index(c, ib, a.s_col_cols) : c * a.s_col_cols + ib] = e;
+                    a.s_col[scale_index(c, ib, a.s_col_cols, a.swizzled)] = e;
             });
     } else {
         __shared__ float2 tab[2][128];  // (g, lim) per scale byte: [0] rows, [1] columns
@@ -475,16 +469,16 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
             for (int p = 0; p < 4; ++p) {
                 A[p] = habs2w<T>(d.w[2 * q][p]);
                 B[p] = habs2w<T>(d.w[2 * q + 1][p]);
-                cm[p] = q == 0 ? hmax2w_nan<T>(A[p], B[p]) : hmax2w_nan<T>(cm[p], hmax2w_nan<T>(A[p], B[p]));
+                cm[p] = q == 0 ? hmax2w<T, true>(A[p], B[p]) : hmax2w<T, true>(cm[p], hmax2w<T, true>(A[p], B[p]));
             }
-            const uint32_t mA = hmax2w_nan<T>(hmax2w_nan<T>(A[0], A[1]), hmax2w_nan<T>(A[2], A[3]));
-            const uint32_t mB = hmax2w_nan<T>(hmax2w_nan<T>(B[0], B[1]), hmax2w_nan<T>(B[2], B[3]));
-            rm[q] = hmax2w_nan<T>(__byte_perm(mA, mB, 0x5410), __byte_perm(mA, mB, 0x7632));
+            const uint32_t mA = hmax2w<T, true>(hmax2w<T, true>(A[0], A[1]), hmax2w<T, true>(A[2], A[3]));
+            const uint32_t mB = hmax2w<T, true>(hmax2w<T, true>(B[0], B[1]), hmax2w<T, true>(B[2], B[3]));
+            rm[q] = hmax2_rows<T, true>(mA, mB);
         }
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
-            cm[p] = hmax2w_nan<T>(cm[p], __shfl_xor_sync(0xFFFFFFFFu, cm[p], 8));
-            rm[p] = hmax2w_nan<T>(rm[p], __shfl_xor_sync(0xFFFFFFFFu, rm[p], 1));
+            cm[p] = hmax2w<T, true>(cm[p], __shfl_xor_sync(0xFFFFFFFFu, cm[p], 8));
+            rm[p] = hmax2w<T, true>(rm[p], __shfl_xor_sync(0xFFFFFFFFu, rm[p], 1));
         }
         __syncthreads();
         // One lane of each pair stages a block's scale byte: the even one rows 0-3 /
@@ -625,7 +619,7 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
         }
         reinterpret_cast<uint2*>(a.q_row + row * (a.k / 2) + col / 2)[0] = make_uint2(packed[0], packed[1]);
         const u64 j = col / 16;
-        a.s_row[a.swizzled ? swizzled_index(row, j, a.s_row_cols) : row * a.s_row_cols + j] = e;
+        a.s_row[scale_index(row, j, a.s_row_cols, a.swizzled)] = e;
     }
     if (a.q_col == nullptr) return;
     // Columnwise view: column cc of the tile, rows 16*run .. +16.
@@ -673,7 +667,7 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
     }
     reinterpret_cast<uint2*>(a.q_col + kk * (a.m / 2) + mm / 2)[0] = make_uint2(packed[0], packed[1]);
     const u64 j = mm / 16;
-    a.s_col[a.swizzled ? swizzled_index(kk, j, a.s_col_cols) : kk * a.s_col_cols + j] = e;
+    a.s_col[scale_index(kk, j, a.s_col_cols, a.swizzled)] = e;
 }
 
 #define NVFP4(SUFFIX, T)                                                                        \
@@ -715,7 +709,7 @@ __device__ void nvfp4_dequant_impl(const uint8_t* __restrict__ q, const uint8_t*
         for (u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x; g < m * k / 16; g += stride) {
             const u64 r = 16 * g / k, c = 16 * g % k;
             const uint2 w = reinterpret_cast<const uint2*>(q)[g];
-            const u64 si = swizzled ? swizzled_index(r, c / 16, s_cols) : r * s_cols + c / 16;
+            const u64 si = scale_index(r, c / 16, s_cols, swizzled);
             const float sc = __fmul_rn(__fmul_rn(fp8_to_f32<true>(s[si]), A), 1.0f / 2688.0f);
             float v[16];
             e2m1x16_values(w, sc, v);
@@ -726,7 +720,7 @@ __device__ void nvfp4_dequant_impl(const uint8_t* __restrict__ q, const uint8_t*
     const u64 runs = (m / 16) * k;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < runs; i += stride) {
         const u64 c = i % k, run = i / k;
-        const u64 si = swizzled ? swizzled_index(c, run, s_cols) : c * s_cols + run;
+        const u64 si = scale_index(c, run, s_cols, swizzled);
         const float sc = __fmul_rn(__fmul_rn(fp8_to_f32<true>(s[si]), A), 1.0f / 2688.0f);
         // The run is the 16-element block at element c * m + 16 * run of the transposed
         // operand: 8 bytes, 8-byte aligned (m % 16 == 0).
