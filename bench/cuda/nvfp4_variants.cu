@@ -28,6 +28,71 @@ __global__ void __launch_bounds__(256, MINB) both_var(const __nv_bfloat16* __res
     nvfp4_both_impl<__nv_bfloat16>(x, a);
 }
 
+// ---- the both kernel, persistent and pipelined (an experiment; slower on the H200) --------
+//
+// A grid of resident CTAs walks the tiles in banded order (tile t, t + gridDim.x, ...),
+// and each lane copies its 128 bytes of the next tile into shared memory with cp.async
+// (zero-filled past the edge) while the current one is quantized: the loads stay in
+// flight across the arithmetic, and no registers hold them. A lane reads back only what
+// it copied, so cp.async.wait_group alone orders the two. The tables are filled once per
+// CTA. Dynamic shared memory: 2 x 32 KiB.
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// Tile t of the banded order (bands of 2^hb tile rows, the last one padded): its row
+// (>= gx for padding) and column.
+__device__ __forceinline__ TileRC banded_tile(uint32_t t, uint32_t hb, uint32_t gy, uint32_t tiles) {
+    t = tiles - 1u - t;  // last first, as tile_banded
+    const uint32_t band = t / (gy << hb), rem = t - band * (gy << hb);
+    return {(band << hb) + (rem & ((1u << hb) - 1u)), rem >> hb};
+}
+
+template <class T>
+__device__ void nvfp4_both_pipe_impl(const T* __restrict__ x, const Nvfp4Args a) {
+    static_assert(sizeof(T) == 2, "the pipelined kernel takes 2-byte inputs");
+    extern __shared__ uint4 buf[];  // [2][8][256]
+    __shared__ BothShared sh;
+    const BothLane l;
+    const uint32_t gx = (uint32_t)((a.m + 127) / 128), gy = (uint32_t)((a.k + 127) / 128);
+    const uint32_t hb = band_log2(gx), tiles = (((gx + (1u << hb) - 1u) >> hb) << hb) * gy;
+    const u64 row_vectors = a.k * sizeof(T) / 16;
+    auto issue = [&](uint32_t t, int b) {
+        const TileRC tile = banded_tile(t, hb, gy, tiles);
+        const u64 r0 = (u64)tile.row * 128 + l.rt, col = (u64)tile.col * 128 + l.ct;
+        const bool valid = r0 < a.m && col < a.k;
+        const uint4* src = reinterpret_cast<const uint4*>(x + (valid ? r0 * a.k + col : 0));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) cp_async16(&buf[(b * 8 + i) * 256 + threadIdx.x], src + i * row_vectors, valid);
+    };
+    both_tables(sh, a);
+    uint32_t t = blockIdx.x;
+    if (t < tiles) issue(t, 0);
+    cp_async_commit();
+    for (int it = 0; t < tiles; ++it, t += gridDim.x) {
+        if (t + gridDim.x < tiles) issue(t + gridDim.x, (it + 1) & 1);
+        cp_async_commit();
+        cp_async_wait1();
+        const TileRC tile = banded_tile(t, hb, gy, tiles);
+        if (tile.row >= gx) continue;  // padding of the last band (the whole CTA)
+        const u64 R0 = (u64)tile.row * 128, C0 = (u64)tile.col * 128;
+        const bool valid = R0 + l.rt < a.m && C0 + l.ct < a.k;
+        BothTile<T> d;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) d.u[i][0] = buf[((it & 1) * 8 + i) * 256 + threadIdx.x];
+        both_tile<T>(d, l, R0, C0, valid, a, sh);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB)
+    tessera_nvfp4_both_pipe_bf16(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
+    nvfp4_both_pipe_impl<__nv_bfloat16>(x, a);
+}
+
 static void run_shape(u64 M, u64 K, int normal) {
     const u64 n = M * K;
     std::vector<uint16_t> h(n);
@@ -54,8 +119,12 @@ static void run_shape(u64 M, u64 K, int normal) {
     CK(cudaMalloc(&tmp, n * 2));
     CK(cudaMalloc(&q, n / 2));
     CK(cudaMalloc(&qt, n / 2));
-    CK(cudaMalloc(&sr, n / 16));
-    CK(cudaMalloc(&sc, n / 16));
+    // Scale grids padded as the library pads them (rows to 128, columns to 4), so that
+    // the both kernel's 4-byte scale stores stay aligned on ragged shapes.
+    const u64 sr_cols = (K / 16 + 3) / 4 * 4, sc_cols = (M / 16 + 3) / 4 * 4;
+    const u64 s_bytes = std::max((M + 127) / 128 * 128 * sr_cols, (K + 127) / 128 * 128 * sc_cols);
+    CK(cudaMalloc(&sr, s_bytes));
+    CK(cudaMalloc(&sc, s_bytes));
     CK(cudaMalloc(&amax, 4));
     CK(cudaMemcpy(x, h.data(), n * 2, cudaMemcpyHostToDevice));
     const float ms_copy = time_ms([&] { CK(cudaMemcpyAsync(tmp, x, n * 2, cudaMemcpyDeviceToDevice)); });
@@ -73,8 +142,8 @@ static void run_shape(u64 M, u64 K, int normal) {
     auto clear = [&] {
         CK(cudaMemset(q, 0xA5, n / 2));
         CK(cudaMemset(qt, 0xA5, n / 2));
-        CK(cudaMemset(sr, 0xA5, n / 16));
-        CK(cudaMemset(sc, 0xA5, n / 16));
+        CK(cudaMemset(sr, 0xA5, s_bytes));
+        CK(cudaMemset(sc, 0xA5, s_bytes));
     };
     const double in = 2.0 * n, ob = n / 2.0 + n / 16.0;
     for (int both = 0; both < 2; ++both) {
@@ -100,10 +169,10 @@ static void run_shape(u64 M, u64 K, int normal) {
             a.amax_col = amax;
             a.q_row = q;
             a.s_row = sr;
-            a.s_row_cols = K / 16;
+            a.s_row_cols = sr_cols;
             a.q_col = both ? qt : nullptr;
             a.s_col = both ? sc : nullptr;
-            a.s_col_cols = M / 16;
+            a.s_col_cols = sc_cols;
             a.swizzled = swz;
             float ms = time_ms([&] { tessera_nvfp4_bf16<<<((M + 63) / 64) * ((K + 63) / 64), 256>>>(x, a); });
             std::snprintf(name, sizeof name, "shipped %s%s", both ? "both" : "rowwise", swz ? " swz" : "");
@@ -112,7 +181,7 @@ static void run_shape(u64 M, u64 K, int normal) {
                 auto row = [&](auto kernel, int B, const char* label) {
                     clear();
                     const u64 ct = (K + 256 * B - 1) / (256 * B);
-                    const float t = time_ms([&] { kernel<<<(M / 16) * ct, 256>>>(x, M, K, amax, q, sr, K / 16, swz, ct); });
+                    const float t = time_ms([&] { kernel<<<(M / 16) * ct, 256>>>(x, M, K, amax, q, sr, sr_cols, swz, ct); });
                     std::snprintf(name, sizeof name, "%s%s", label, swz ? " swz" : "");
                     report(name, t);
                 };
@@ -120,7 +189,11 @@ static void run_shape(u64 M, u64 K, int normal) {
                 row(tessera_nvfp4_row_bf16, NVFP4_ROW_BLOCKS, "row shipped (NVFP4_ROW_BLOCKS/thread)");
                 row(row_var<4>, 4, "row 16x1024 (4 blocks/thread)");
             } else {
-                const dim3 grid(((M + 127) / 128) * ((K + 127) / 128));  // 1-D, 128x128 tiles
+                // 128x128 tiles in bands (banded_grid in crates/quant/src/cuda/mod.rs).
+                const u64 gx = (M + 127) / 128, gy = (K + 127) / 128;
+                u64 h = 1;
+                while (h < gx && h < (1u << TQ_BAND_ROWS_LOG2)) h *= 2;
+                const dim3 grid((unsigned)(h * gy), (unsigned)((gx + h - 1) / h));
                 auto both_run = [&](auto kernel, const char* label) {
                     clear();
                     const float t = time_ms([&] { kernel<<<grid, 256>>>(x, a); });
@@ -130,6 +203,38 @@ static void run_shape(u64 M, u64 K, int normal) {
                 both_run(both_var<2>, "both warp 32x64, 2 CTAs/SM");
                 both_run(tessera_nvfp4_both_bf16, "both shipped (NVFP4_BOTH_MINB CTAs/SM)");
                 both_run(both_var<4>, "both warp 32x64, 4 CTAs/SM");
+                // Persistent, cp.async-pipelined: resident CTAs only, 64 KiB of
+                // dynamic shared memory each.
+                const int pipe_smem = 2 * 8 * 256 * 16;
+                CK(cudaFuncSetAttribute(tessera_nvfp4_both_pipe_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        pipe_smem));
+                int per_sm = 0;
+                CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tessera_nvfp4_both_pipe_bf16, 256, pipe_smem));
+                int sms = 0;
+                CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+                const unsigned pipe_grid = (unsigned)std::min<u64>((u64)per_sm * sms, (u64)grid.x * grid.y);
+                clear();
+                const float tpk = time_ms([&] { tessera_nvfp4_both_pipe_bf16<<<pipe_grid, 256, pipe_smem>>>(x, a); });
+                std::snprintf(name, sizeof name, "both pipelined (%d CTAs/SM)%s", per_sm, swz ? " swz" : "");
+                report(name, tpk);
+                // The quantizer's sequence, timed as one: the amax pass, then the kernel
+                // (which may find the amax pass's last reads in L2).
+                const double floor_ms = (in + in + 2 * ob) / copy_gbs / 1e6;
+                for (int pipe = 0; pipe < 2; ++pipe) {
+                    clear();
+                    const float tp = time_ms([&] {
+                        CK(cudaMemsetAsync(amax, 0, 4));
+                        tessera_amax_bf16<<<1024, 256>>>(x, n, amax);
+                        if (pipe)
+                            tessera_nvfp4_both_pipe_bf16<<<pipe_grid, 256, pipe_smem>>>(x, a);
+                        else
+                            tessera_nvfp4_both_bf16<<<grid, 256>>>(x, a);
+                    });
+                    std::printf("%-40s %8.4f ms  %6.3f of two-pass floor\n",
+                                pipe ? (swz ? "pipeline: amax + pipelined swz" : "pipeline: amax + pipelined")
+                                     : (swz ? "pipeline: amax + both swz" : "pipeline: amax + both"),
+                                tp, floor_ms / tp);
+                }
             }
         }
     }

@@ -128,20 +128,22 @@ int main() {
         clear();
 #ifdef OLD_KERNELS
         const dim3 g(M / 64, K / 64);
+        const float* sa = scale;
 #else
         const dim3 g = tiles(M / 128, K / 128);
+        const Fp8Scale sa{scale, nullptr, 448.0f, 0.0f, 0, 0};
 #endif
         const float ms = time_ms([&] {
-            tessera_fp8_cast_transpose_bf16_e4m3<<<g, 256>>>(x, q, qt, M, K, scale, sinv, nullptr);
+            tessera_fp8_cast_transpose_bf16_e4m3<<<g, 256>>>(x, q, qt, M, K, sa, sinv, nullptr);
         });
         report("fp8 cast both", ms, in + 2.0 * n, {{q, n}, {qt, n}});
         CK(cudaMemset(amax, 0, 4));
         const float ms2 = time_ms([&] {
-            tessera_fp8_cast_transpose_bf16_e4m3<<<g, 256>>>(x, q, qt, M, K, scale, sinv, amax);
+            tessera_fp8_cast_transpose_bf16_e4m3<<<g, 256>>>(x, q, qt, M, K, sa, sinv, amax);
         });
         report("fp8 cast both + amax", ms2, in + 2.0 * n, {{q, n}, {qt, n}, {amax, 4}});
         const int blocks = (int)std::min<u64>(n / 16 / 256, 4ull * p.multiProcessorCount * 8);
-        const float ms3 = time_ms([&] { tessera_fp8_cast_bf16_e4m3<<<blocks, 256>>>(x, q, n, scale, sinv, amax); });
+        const float ms3 = time_ms([&] { tessera_fp8_cast_bf16_e4m3<<<blocks, 256>>>(x, q, n, sa, sinv, amax); });
         report("fp8 cast rowwise + amax", ms3, in + n, {{q, n}});
     }
 

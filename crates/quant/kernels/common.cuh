@@ -483,6 +483,16 @@ __device__ __forceinline__ void store_run(uint8_t* __restrict__ q, u64 m, u64 k,
 
 // ---- tile grids --------------------------------------------------------------------------
 
+// The CTA's place on a 1-D grid, last first when `last_first`. Kernels that run right
+// after an amax pass over the same input (current scaling, NVFP4) take their work last
+// first: the amax pass reads the tensor front to back, so its last lines are still in
+// L2 when the second pass starts from the back. On an H200 this moved FP8 current
+// scaling (both orientations) at 4096x4096 from 0.82 to 0.88 of its two-pass floor, and
+// NVFP4 at 16384x8192 by about 0.01 (BENCHMARKS.md, 2026-12-03, late).
+__device__ __forceinline__ uint32_t cta_order(bool last_first) {
+    return last_first ? gridDim.x - 1u - blockIdx.x : blockIdx.x;
+}
+
 // The tile kernels run on a 1-D grid over their tiles in row-major order: CTA b takes
 // tile row b / gy and tile column b % gy of a grid with gy tile columns, so CTAs that
 // run together read the same rows and fill the same scale rows. On an H200 this order
@@ -491,27 +501,40 @@ __device__ __forceinline__ void store_run(uint8_t* __restrict__ q, u64 m, u64 k,
 // merged in L2 instead of being evicted half-written (BENCHMARKS.md, 2026-12-03).
 // In 32 bits (the launch has at most 2^31 - 1 tiles): a 64-bit division here cost the
 // compute-bound NVFP4 kernels 15%.
-__device__ __forceinline__ u64 tile_row(u64 gy) { return blockIdx.x / (uint32_t)gy; }
-__device__ __forceinline__ u64 tile_col(u64 gy) { return blockIdx.x % (uint32_t)gy; }
+__device__ __forceinline__ u64 tile_row(u64 gy, bool last_first = false) {
+    return cta_order(last_first) / (uint32_t)gy;
+}
+__device__ __forceinline__ u64 tile_col(u64 gy, bool last_first = false) {
+    return cta_order(last_first) % (uint32_t)gy;
+}
 
 // Banded order, for kernels whose columnwise scales are a few bytes per column and tile:
-// bands of h = min(TQ_BAND_ROWS, gx) tile rows, each band taken tile column by tile
-// column with its tile rows fastest, so that the 32 CTAs filling one 128-byte line of a
-// compact columnwise scale grid (4 bytes each) run together (HBM writes whole sectors; a
-// line completed by CTAs waves apart was written back in pieces), and the neighbours in
-// a rowwise scale row run within a band's width of each other. gx x gy tiles; h * gy <=
-// gx * gy < 2^31 keeps it in 32 bits.
-#ifndef TQ_BAND_ROWS
-#define TQ_BAND_ROWS 32u
+// bands of h = 2^band_log2(gx) tile rows (at most 8), each band taken tile column by
+// tile column with its tile rows fastest, so that the CTAs filling one 128-byte line of
+// a compact columnwise scale grid run together (HBM writes whole sectors; a line
+// completed by CTAs waves apart was written back in pieces), and the neighbours in a
+// rowwise scale row run within a band's width of each other. The launch is 2-D (the
+// host's `banded_grid`): blockIdx.x = col * h + row within the band, blockIdx.y = band,
+// so the mapping is shifts and masks (the divisions of a 1-D mapping cost the
+// NVFP4 kernel about 80 instructions per thread). The only user follows an amax pass,
+// so bands, and the tiles in them, run last first (see cta_order). Tiles of the last
+// band past gx have row >= gx; their CTAs return at once. Bands of 8 tile rows measured
+// within 0.02 of bands of 1, 2, 4 and 32 (the best by 0.003 to 0.02).
+#ifndef TQ_BAND_ROWS_LOG2
+#define TQ_BAND_ROWS_LOG2 3u
 #endif
 struct TileRC {
     uint32_t row, col;
 };
-__device__ __forceinline__ TileRC tile_banded(uint32_t gx, uint32_t gy) {
-    const uint32_t h = min(TQ_BAND_ROWS, gx), per_band = h * gy;
-    const uint32_t band = blockIdx.x / per_band, rem = blockIdx.x % per_band;
-    const uint32_t rows = min(h, gx - band * h);  // the last band may be shorter
-    return {band * h + rem % rows, rem / rows};
+// log2 of the band height for gx tile rows: the least power of two >= gx, at most
+// 2^TQ_BAND_ROWS_LOG2.
+__device__ __forceinline__ uint32_t band_log2(uint32_t gx) {
+    return gx <= 1u ? 0u : min(TQ_BAND_ROWS_LOG2, 32u - (uint32_t)__clz(gx - 1u));
+}
+__device__ __forceinline__ TileRC tile_banded(uint32_t gx) {
+    const uint32_t hb = band_log2(gx);
+    const uint32_t band = gridDim.y - 1u - blockIdx.y, x = cta_order(true);
+    return {(band << hb) + (x & ((1u << hb) - 1u)), x >> hb};
 }
 
 // A warp's 32-row x 64-column tile in registers: lane l holds the 8 consecutive columns

@@ -34,23 +34,32 @@ AMAX(f32, float)
 AMAX(bf16, __nv_bfloat16)
 AMAX(f16, __half)
 
-// scale = compute_scale_from_amax(amax[0]); one thread.
-extern "C" __global__ void tessera_fp8_scale_from_amax(const float* amax, float fp8_max, int pow2,
-                                                       float eps, float value_for_inf, float* scale) {
-    scale[0] = scale_from_amax(amax[0], fp8_max, pow2 != 0, eps, value_for_inf);
+// The scale a cast multiplies by: scale[0] (delayed scaling, or a scale computed on the
+// host), or, when amax is not null, compute_scale_from_amax(amax[0]) (current scaling),
+// which every thread computes from the amax pass's result, so that no one-thread kernel
+// runs between the two passes. Field for field the host's `Fp8Scale`.
+struct Fp8Scale {
+    const float* scale;
+    const float* amax;
+    float fp8_max, eps;
+    int pow2, pad;
+};
+
+__device__ __forceinline__ float cast_scale(const Fp8Scale& s) {
+    return s.amax != nullptr ? scale_from_amax(s.amax[0], s.fp8_max, s.pow2 != 0, s.eps, 3.402823466e38f)
+                             : s.scale[0];
 }
 
 // ---- cast ----------------------------------------------------------------------------
 
-// Rowwise cast, 16 elements per step (16 output bytes). scale_inv[0] = 1 / scale[0] is
+// Rowwise cast, 16 elements per step (16 output bytes). scale_inv[0] = 1 / scale is
 // written by thread 0; amax (if not null) collects NaN-ignoring max |x| (delayed scaling
 // records it into its history).
 template <class T, bool E4M3>
-__device__ void cast_impl(const T* __restrict__ x, uint8_t* __restrict__ q, u64 n,
-                          const float* __restrict__ scale_ptr, float* __restrict__ scale_inv,
-                          float* __restrict__ amax) {
+__device__ void cast_impl(const T* __restrict__ x, uint8_t* __restrict__ q, u64 n, const Fp8Scale sa,
+                          float* __restrict__ scale_inv, float* __restrict__ amax) {
     __shared__ float smem[32];
-    const float scale = scale_ptr[0];
+    const float scale = cast_scale(sa);
     const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (tid == 0) scale_inv[0] = __frcp_rn(scale);
     constexpr int V = 16 / sizeof(T);  // elements per 16-byte load
@@ -58,7 +67,8 @@ __device__ void cast_impl(const T* __restrict__ x, uint8_t* __restrict__ q, u64 
     const u64 steps = n / 16;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     float m = 0.0f;
-    for (u64 s = tid; s < steps; s += stride) {
+    for (u64 i = tid; i < steps; i += stride) {
+        const u64 s = sa.amax != nullptr ? steps - 1 - i : i;  // after an amax pass: last first (cta_order)
         union { uint4 v[L]; T e[16]; } u;
 #pragma unroll
         for (int l = 0; l < L; ++l) u.v[l] = reinterpret_cast<const uint4*>(x)[s * L + l];
@@ -130,17 +140,17 @@ __device__ float cast_transpose_tile(const Tile128<T>& x4, u64 m0, u64 k0, uint8
 }
 
 // One 128x128 tile per CTA (ceil(m/128) x ceil(k/128) tiles, tile_row; 256 threads), loaded
-// straight into registers. scale_inv[0] = 1 / scale[0]; amax (if not null) collects the
+// straight into registers. scale_inv[0] = 1 / scale; amax (if not null) collects the
 // NaN-ignoring max |x|.
 template <class T, bool E4M3>
 __device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict__ q,
-                                    uint8_t* __restrict__ qt, u64 m, u64 k,
-                                    const float* __restrict__ scale_ptr,
+                                    uint8_t* __restrict__ qt, u64 m, u64 k, const Fp8Scale sa,
                                     float* __restrict__ scale_inv, float* __restrict__ amax) {
     __shared__ float smem[32];
-    const float scale = scale_ptr[0];
+    const float scale = cast_scale(sa);
     if (blockIdx.x == 0 && threadIdx.x == 0) scale_inv[0] = __frcp_rn(scale);
-    const u64 m0 = tile_row((k + 127) / 128) * 128, k0 = tile_col((k + 127) / 128) * 128;
+    const bool last_first = sa.amax != nullptr;  // after an amax pass (cta_order)
+    const u64 gy = (k + 127) / 128, m0 = tile_row(gy, last_first) * 128, k0 = tile_col(gy, last_first) * 128;
     Tile128<T> x4;
     x4.load(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
     float mx = cast_transpose_tile<T, E4M3>(x4, m0, k0, q, qt, m, k, scale);
@@ -152,14 +162,14 @@ __device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict
 
 #define CAST(SUFFIX, T, FMT, E4M3)                                                             \
     extern "C" __global__ void __launch_bounds__(256) tessera_fp8_cast_##SUFFIX##_##FMT(       \
-        const T* __restrict__ x, uint8_t* __restrict__ q, u64 n, const float* scale,          \
+        const T* __restrict__ x, uint8_t* __restrict__ q, u64 n, const Fp8Scale scale,        \
         float* scale_inv, float* amax) {                                                       \
         cast_impl<T, E4M3>(x, q, n, scale, scale_inv, amax);                                   \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_TILE)    \
         tessera_fp8_cast_transpose_##SUFFIX##_##FMT(const T* __restrict__ x, uint8_t* q,      \
                                                     uint8_t* qt, u64 m, u64 k,                 \
-                                                    const float* scale, float* scale_inv,     \
+                                                    const Fp8Scale scale, float* scale_inv,   \
                                                     float* amax) {                             \
         cast_transpose_impl<T, E4M3>(x, q, qt, m, k, scale, scale_inv, amax);                  \
     }

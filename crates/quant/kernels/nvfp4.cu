@@ -200,7 +200,8 @@ __device__ void nvfp4_row_impl(const T* __restrict__ x, u64 m, u64 k, const floa
                                u64 col_tiles) {
     constexpr int L = (int)sizeof(T);  // 16-byte vectors per 16 elements
     const int t = threadIdx.x;
-    const u64 ct = blockIdx.x % col_tiles, rt = blockIdx.x / col_tiles;
+    const uint32_t o = cta_order(true);  // after the amax pass: last first
+    const u64 ct = o % col_tiles, rt = o / col_tiles;
     const u64 row = rt * 16 + t / 16;
     const u64 c0 = ct * (256 * B) + (u64)(t % 16) * (16 * B);
     union {
@@ -417,14 +418,156 @@ __device__ __forceinline__ void flush_both_scales(const BothScales& s, const Nvf
     }
 }
 
+// Where the lane's values of a 128x128 tile at (R0, C0) sit: rows r0 .. r0 + 7, columns
+// col .. col + 7 (rt, ct within the tile); 8 warps, 4 down and 2 across.
+struct BothLane {
+    int cg, g, rt, ct;
+    __device__ BothLane() {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        cg = lane & 7;
+        g = lane >> 3;
+        rt = 32 * (warp / 2) + 8 * g;
+        ct = 64 * (warp % 2) + 8 * cg;
+    }
+};
+
+// The CTA's shared state for 2-byte inputs: (g, lim) per scale byte, [0] rows and [1]
+// columns; the global encode scales; the staged scale bytes of the tile.
+struct BothShared {
+    float2 tab[2][128];
+    float se[2];
+    BothScales stage;
+};
+
+// Fills the tables (threads 0-127 the rows', 128-255 the columns'); a barrier must follow
+// before any lane reads them.
+__device__ __forceinline__ void both_tables(BothShared& sh, const Nvfp4Args& a) {
+    const int o = threadIdx.x >> 7;
+    const uint8_t* q = o ? a.q_col : a.q_row;
+    const float se = q != nullptr ? global_encode_scale((o ? a.amax_col : a.amax_row)[0]) : 1.0f;
+    sh.tab[o][threadIdx.x & 127] = block_table_entry(threadIdx.x & 127, __frcp_rn(se));
+    if ((threadIdx.x & 127) == 0) sh.se[o] = se;
+}
+
+// Quantizes the 128x128 tile at (R0, C0) of 2-byte inputs, the lane's values in d (zeros
+// when !valid), with the tables filled; synchronises the CTA twice (before its first
+// write to sh.stage, and before the flush).
+template <class T>
+__device__ __forceinline__ void both_tile(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
+                                          const Nvfp4Args& a, BothShared& sh) {
+    const int cg = l.cg, g = l.g, rt = l.rt, ct = l.ct;
+    const u64 r0 = R0 + rt, col = C0 + ct;
+    auto& tab = sh.tab;
+    auto& se_sh = sh.se;
+    auto& stage = sh.stage;
+    // The tile's |.| maxima as packed words, NaN-propagating: cm[p] columns 2p, 2p + 1
+    // over the lane's rows, then over the pair xor 8; rm[q] rows 2q, 2q + 1 over the
+    // lane's columns, then over the pair xor 1.
+    uint32_t cm[4], rm[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        uint32_t A[4], B[4];
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            A[p] = habs2w<T>(d.w[2 * q][p]);
+            B[p] = habs2w<T>(d.w[2 * q + 1][p]);
+            cm[p] = q == 0 ? hmax2w<T, true>(A[p], B[p]) : hmax2w<T, true>(cm[p], hmax2w<T, true>(A[p], B[p]));
+        }
+        const uint32_t mA = hmax2w<T, true>(hmax2w<T, true>(A[0], A[1]), hmax2w<T, true>(A[2], A[3]));
+        const uint32_t mB = hmax2w<T, true>(hmax2w<T, true>(B[0], B[1]), hmax2w<T, true>(B[2], B[3]));
+        rm[q] = hmax2_rows<T, true>(mA, mB);
+    }
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        cm[p] = hmax2w<T, true>(cm[p], __shfl_xor_sync(0xFFFFFFFFu, cm[p], 8));
+        rm[p] = hmax2w<T, true>(rm[p], __shfl_xor_sync(0xFFFFFFFFu, rm[p], 1));
+    }
+    __syncthreads();
+    // One lane of each pair stages a block's scale byte: the even one rows 0-3 /
+    // columns 0-3, the odd one the rest.
+    auto put_row = [&](int i, uint8_t e) {
+        if ((i >> 2) == (cg & 1)) stage.row[rt + i][ct / 16] = e;
+    };
+    auto put_col = [&](int j, uint8_t e) {
+        if ((j >> 2) == (g & 1)) stage.col[ct + j][rt / 16] = e;
+    };
+    // Each block's scale byte (block_scale without its clamp, which changes only NaN
+    // amaxes, and those fail lim), encode scale gs[j] and whether it takes the fast
+    // path. Both lanes of a pair hold the same 8 amaxes (mx[p]: blocks 2p, 2p + 1);
+    // lane half h computes blocks 4h .. 4h + 3, stages their bytes, and trades its
+    // encode scales for the other half's with its partner (lane xor `pair`).
+    bool fast = true;
+    auto scales = [&](const uint32_t* mx, int o, int h, int pair, float* gs, uint8_t* st, int st_step) {
+        const float sc = __fmul_rn(se_sh[o], 0.16666667163372040f);
+        const uint32_t mine[2] = {h ? mx[2] : mx[0], h ? mx[3] : mx[1]};
+        float g4[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float b = j % 2 ? hi_f32<T>(mine[j / 2]) : lo_f32<T>(mine[j / 2]);
+            const uint32_t e = fp8<true>(__fmul_rn(b, sc));
+            const float2 t = tab[o][e];
+            fast = fast && b <= t.y;
+            g4[j] = t.x;
+            st[j * st_step] = (uint8_t)e;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float other = __shfl_xor_sync(0xFFFFFFFFu, g4[j], pair);
+            gs[j] = h ? other : g4[j];
+            gs[4 + j] = h ? g4[j] : other;
+        }
+    };
+    float cgs[8], rgs[8];
+    if (a.q_col != nullptr)
+        scales(cm, 1, g & 1, 8, cgs, &stage.col[ct + 4 * (g & 1)][rt / 16], sizeof stage.col[0]);
+    if (a.q_row != nullptr)
+        scales(rm, 0, cg & 1, 1, rgs, &stage.row[rt + 4 * (cg & 1)][ct / 16], sizeof stage.row[0]);
+    if (!__all_sync(0xFFFFFFFFu, fast)) {
+        nvfp4_both_general<T>(d, r0, col, valid, a, put_row, put_col);
+    } else if (valid) {
+        if (a.q_col != nullptr) {
+            uint8_t* q = a.q_col + col * (a.m / 2) + r0 / 2;
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                uint32_t c[8], slo, shi;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) c[i] = d.w[i][p];
+                col_signs(c, slo, shi);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float v[8];
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) v[i] = h ? hi_f32<T>(c[i]) : lo_f32<T>(c[i]);
+                    *reinterpret_cast<uint32_t*>(q + (2 * p + h) * (a.m / 2)) =
+                        e2m1x8_magnitudes(v, cgs[2 * p + h]) | (h ? shi : slo);
+                }
+            }
+        }
+        if (a.q_row != nullptr) {
+            uint8_t* q = a.q_row + r0 * (a.k / 2) + col / 2;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                float v[8];
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    v[2 * p] = lo_f32<T>(d.w[i][p]);
+                    v[2 * p + 1] = hi_f32<T>(d.w[i][p]);
+                }
+                *reinterpret_cast<uint32_t*>(q + i * (a.k / 2)) = e2m1x8_magnitudes(v, rgs[i]) | row_signs(d.w[i]);
+            }
+        }
+    }
+    __syncthreads();
+    flush_both_scales(stage, a, R0, C0);
+}
+
 template <class T>
 __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int cg = lane & 7, g = lane >> 3;
-    const TileRC tile = tile_banded((uint32_t)((a.m + 127) / 128), (uint32_t)((a.k + 127) / 128));
+    const BothLane l;
+    const TileRC tile = tile_banded((uint32_t)((a.m + 127) / 128));
     const u64 R0 = (u64)tile.row * 128, C0 = (u64)tile.col * 128;  // the CTA's tile
-    const int rt = 32 * (warp / 2) + 8 * g, ct = 64 * (warp % 2) + 8 * cg;  // the lane's, within it
-    const u64 r0 = R0 + rt, col = C0 + ct;  // the lane's first row and column
+    if (R0 >= a.m) return;  // past the last band's rows (the whole CTA)
+    const u64 r0 = R0 + l.rt, col = C0 + l.ct;  // the lane's first row and column
     // m, k multiples of 16: both lanes of a pair are in or out together, so the
     // shuffles below pair valid lanes with valid lanes.
     const bool valid = r0 < a.m && col < a.k;
@@ -443,107 +586,18 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
             d, r0, col, valid, a,
             [&](int i, uint8_t e) {
                 const u64 r = r0 + i;
-                if (valid && (cg & 1) == 0)
+                if (valid && (l.cg & 1) == 0)
                     a.s_row[scale_index(r, jb, a.s_row_cols, a.swizzled)] = e;
             },
             [&](int j, uint8_t e) {
                 const u64 c = col + j;
-                if (valid && (g & 1) == 0)
+                if (valid && (l.g & 1) == 0)
                     a.s_col[scale_index(c, ib, a.s_col_cols, a.swizzled)] = e;
             });
     } else {
-        __shared__ float2 tab[2][128];  // (g, lim) per scale byte: [0] rows, [1] columns
-        __shared__ BothScales stage;
-        const float se_row = a.q_row != nullptr ? global_encode_scale(a.amax_row[0]) : 1.0f;
-        const float se_col = a.q_col != nullptr ? global_encode_scale(a.amax_col[0]) : 1.0f;
-        tab[threadIdx.x >> 7][threadIdx.x & 127] =
-            block_table_entry(threadIdx.x & 127, __frcp_rn(threadIdx.x >> 7 ? se_col : se_row));
-        // The tile's |.| maxima as packed words, NaN-propagating: cm[p] columns 2p, 2p + 1
-        // over the lane's rows, then over the pair xor 8; rm[q] rows 2q, 2q + 1 over the
-        // lane's columns, then over the pair xor 1.
-        uint32_t cm[4], rm[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            uint32_t A[4], B[4];
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {
-                A[p] = habs2w<T>(d.w[2 * q][p]);
-                B[p] = habs2w<T>(d.w[2 * q + 1][p]);
-                cm[p] = q == 0 ? hmax2w<T, true>(A[p], B[p]) : hmax2w<T, true>(cm[p], hmax2w<T, true>(A[p], B[p]));
-            }
-            const uint32_t mA = hmax2w<T, true>(hmax2w<T, true>(A[0], A[1]), hmax2w<T, true>(A[2], A[3]));
-            const uint32_t mB = hmax2w<T, true>(hmax2w<T, true>(B[0], B[1]), hmax2w<T, true>(B[2], B[3]));
-            rm[q] = hmax2_rows<T, true>(mA, mB);
-        }
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            cm[p] = hmax2w<T, true>(cm[p], __shfl_xor_sync(0xFFFFFFFFu, cm[p], 8));
-            rm[p] = hmax2w<T, true>(rm[p], __shfl_xor_sync(0xFFFFFFFFu, rm[p], 1));
-        }
-        __syncthreads();
-        // One lane of each pair stages a block's scale byte: the even one rows 0-3 /
-        // columns 0-3, the odd one the rest.
-        auto put_row = [&](int i, uint8_t e) {
-            if ((i >> 2) == (cg & 1)) stage.row[rt + i][ct / 16] = e;
-        };
-        auto put_col = [&](int j, uint8_t e) {
-            if ((j >> 2) == (g & 1)) stage.col[ct + j][rt / 16] = e;
-        };
-        // Each block's scale byte (block_scale without its clamp, which changes only NaN
-        // amaxes, and those fail lim), encode scale gs[j] and whether it takes the fast path.
-        bool fast = true;
-        auto scales = [&](const uint32_t* mx, float se, int o, float* gs, auto put) {
-            const float sc = __fmul_rn(se, 0.16666667163372040f);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float b = j % 2 ? hi_f32<T>(mx[j / 2]) : lo_f32<T>(mx[j / 2]);
-                const uint32_t e = fp8<true>(__fmul_rn(b, sc));
-                const float2 t = tab[o][e];
-                fast = fast && b <= t.y;
-                gs[j] = t.x;
-                put(j, (uint8_t)e);
-            }
-        };
-        float cgs[8], rgs[8];
-        if (a.q_col != nullptr) scales(cm, se_col, 1, cgs, put_col);
-        if (a.q_row != nullptr) scales(rm, se_row, 0, rgs, put_row);
-        if (!__all_sync(0xFFFFFFFFu, fast)) {
-            nvfp4_both_general<T>(d, r0, col, valid, a, put_row, put_col);
-        } else if (valid) {
-            if (a.q_col != nullptr) {
-                uint8_t* q = a.q_col + col * (a.m / 2) + r0 / 2;
-#pragma unroll
-                for (int p = 0; p < 4; ++p) {
-                    uint32_t c[8], slo, shi;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) c[i] = d.w[i][p];
-                    col_signs(c, slo, shi);
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        float v[8];
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) v[i] = h ? hi_f32<T>(c[i]) : lo_f32<T>(c[i]);
-                        *reinterpret_cast<uint32_t*>(q + (2 * p + h) * (a.m / 2)) =
-                            e2m1x8_magnitudes(v, cgs[2 * p + h]) | (h ? shi : slo);
-                    }
-                }
-            }
-            if (a.q_row != nullptr) {
-                uint8_t* q = a.q_row + r0 * (a.k / 2) + col / 2;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    float v[8];
-#pragma unroll
-                    for (int p = 0; p < 4; ++p) {
-                        v[2 * p] = lo_f32<T>(d.w[i][p]);
-                        v[2 * p + 1] = hi_f32<T>(d.w[i][p]);
-                    }
-                    *reinterpret_cast<uint32_t*>(q + i * (a.k / 2)) = e2m1x8_magnitudes(v, rgs[i]) | row_signs(d.w[i]);
-                }
-            }
-        }
-        __syncthreads();
-        flush_both_scales(stage, a, R0, C0);
+        __shared__ BothShared sh;
+        both_tables(sh, a);
+        both_tile<T>(d, l, R0, C0, valid, a, sh);
     }
 }
 

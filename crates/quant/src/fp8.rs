@@ -173,15 +173,12 @@ impl Fp8CurrentScaling {
         let amax = k::amax(x)?;
         let scale = match &self.reduction {
             None => {
-                let dev = x.cuda_device()?;
-                k::scale_from_amax(
-                    dev,
-                    x.device(),
-                    &amax,
-                    self.format.max(),
-                    self.pow2_scales,
-                    self.amax_epsilon,
-                )?
+                let from = k::ScaleFrom::Amax {
+                    amax: &amax,
+                    pow2: self.pow2_scales,
+                    eps: self.amax_epsilon,
+                };
+                return k::cast_into(x, from, self.format, out, None);
             }
             Some(r) => {
                 let a = r.all_reduce_max(amax.to_vec::<f32>()?[0])?;
@@ -195,7 +192,7 @@ impl Fp8CurrentScaling {
                 Tensor::from_slice(&[s], [1], x.device())?
             }
         };
-        k::cast_into(x, &scale, self.format, out, None)
+        k::cast_into(x, k::ScaleFrom::Scale(&scale), self.format, out, None)
     }
 
     #[cfg(not(feature = "cuda"))]
@@ -660,7 +657,7 @@ impl Fp8DelayedScaling {
             }
             false => None,
         };
-        k::cast_into(x, scale, self.format, out, amax)
+        k::cast_into(x, k::ScaleFrom::Scale(scale), self.format, out, amax)
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -321,6 +321,37 @@ fn fp8_all_zero_and_all_nan_inputs() {
     }
 }
 
+/// The cast kernels compute current scaling's scale from the device amax themselves; an
+/// epsilon above the amax must reach them (scale = 448 / eps, rounded down to a power of
+/// two with pow2 scales).
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn fp8_current_scaling_applies_the_amax_epsilon_on_the_device() {
+    require_gpu();
+    for dtype in [DType::F32, DType::BF16] {
+        let x = plain(&[64, 96], dtype, 7, 1e-3);
+        for usage in [Usage::Rowwise, Usage::Both] {
+            for pow2 in [false, true] {
+                let mut q = Fp8CurrentScaling::new(Fp8Format::E4M3)
+                    .with_usage(usage)
+                    .with_pow2_scales(pow2)
+                    .with_amax_epsilon(0.3);
+                let cpu = q.quantize(&x).unwrap();
+                let gpu = q.quantize(&x.to_device(GPU).unwrap()).unwrap();
+                let what = format!("eps 0.3 {dtype} {usage:?} pow2={pow2}");
+                assert_same(&gpu, &cpu, &what);
+                let s = gpu
+                    .buffer(BufferName::ScaleInv)
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap()[0];
+                let scale = if pow2 { 1024.0f32 } else { 448.0 / 0.3 };
+                assert_eq!(s, 1.0 / scale, "{what}: scale_inv");
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn fp8_delayed_scaling_matches_the_cpu_and_records_amax() {

@@ -1,8 +1,8 @@
 //! Per-tensor FP8 on the device.
 
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::{DevicePtr, DeviceRepr, PushKernelArg};
 use tessera_core::cuda::{CudaDevice, grid_1d};
-use tessera_core::{DType, Device, Error, Result, Shape, Tensor};
+use tessera_core::{DType, Error, Result, Shape, Tensor};
 
 use super::{BLOCK, FP8_PTX, device_of, dtype_suffix, format_suffix, launch, tile_grid};
 use crate::values::check_input;
@@ -31,44 +31,69 @@ pub(crate) fn amax(x: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
-/// `scale = compute_scale_from_amax(amax)` on the device, into a new `f32 [1]`.
-pub(crate) fn scale_from_amax(
-    dev: &CudaDevice,
-    device: Device,
-    amax: &Tensor,
-    fp8_max: f32,
-    pow2: bool,
-    eps: f32,
-) -> Result<Tensor> {
-    let mut scale = Tensor::empty([1], DType::F32, device)?;
-    let f = dev.function(&FP8_PTX, "tessera_fp8_scale_from_amax")?;
-    let (pow2, value_for_inf) = (i32::from(pow2), f32::MAX);
-    let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (1, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let dst = scale.cuda_slice_mut()?;
-    // SAFETY: (const float* amax, float fp8_max, int pow2, float eps, float
-    // value_for_inf, float* scale), both pointers one float.
-    unsafe {
-        launch(dev, &f, cfg, "cuda scale_from_amax", |b| {
-            b.arg(amax.cuda_slice().expect("device tensor"))
-                .arg(&fp8_max)
-                .arg(&pow2)
-                .arg(&eps)
-                .arg(&value_for_inf)
-                .arg(dst);
-        })
-    }?;
-    Ok(scale)
+/// Where a cast takes its scale from: a device `f32 [1]` (delayed scaling, or a scale
+/// the host computed), or `compute_scale_from_amax` of a device amax, which the cast
+/// kernel computes itself (current scaling: no launch between the amax pass and the cast).
+pub(crate) enum ScaleFrom<'a> {
+    /// `scale[0]`.
+    Scale(&'a Tensor),
+    /// `compute_scale_from_amax(amax[0], format max, pow2, eps, f32::MAX)`.
+    Amax {
+        amax: &'a Tensor,
+        pow2: bool,
+        eps: f32,
+    },
 }
 
-/// Casts `x` with the device scale `scale` (`f32 [1]`) into `out`'s buffers (its usage
-/// decides which); `amax`, when given, collects `max |x|`.
+/// The kernels' `Fp8Scale` (kernels/fp8.cu), field for field.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Fp8Scale {
+    scale: u64,
+    amax: u64,
+    fp8_max: f32,
+    eps: f32,
+    pow2: i32,
+    /// Spelled out so that every byte the driver copies is initialised.
+    pad: i32,
+}
+
+// SAFETY: a #[repr(C)] struct of two u64 and four 4-byte fields laid out exactly as the
+// kernel's `Fp8Scale` (naturally aligned, no implicit padding), passed by value.
+unsafe impl DeviceRepr for Fp8Scale {}
+
+impl ScaleFrom<'_> {
+    fn arg(&self, dev: &CudaDevice, format: Fp8Format) -> Result<Fp8Scale> {
+        let addr = |t: &Tensor| -> Result<u64> {
+            let (p, _sync) = t.cuda_slice()?.device_ptr(dev.stream());
+            Ok(p)
+        };
+        Ok(match *self {
+            ScaleFrom::Scale(s) => Fp8Scale {
+                scale: addr(s)?,
+                amax: 0,
+                fp8_max: format.max(),
+                eps: 0.0,
+                pow2: 0,
+                pad: 0,
+            },
+            ScaleFrom::Amax { amax, pow2, eps } => Fp8Scale {
+                scale: 0,
+                amax: addr(amax)?,
+                fp8_max: format.max(),
+                eps,
+                pow2: i32::from(pow2),
+                pad: 0,
+            },
+        })
+    }
+}
+
+/// Casts `x` with the scale `scale` names into `out`'s buffers (its usage decides which);
+/// `amax`, when given, collects `max |x|`.
 pub(crate) fn cast_into(
     x: &Tensor,
-    scale: &Tensor,
+    scale: ScaleFrom<'_>,
     format: Fp8Format,
     out: &mut QuantizedTensor,
     amax: Option<&mut Tensor>,
@@ -80,6 +105,7 @@ pub(crate) fn cast_into(
     let fmt = format_suffix(format);
     let usage = out.usage();
     let null = 0u64;
+    let sa = scale.arg(&dev, format)?;
     let amax_ptr = match amax {
         Some(a) => Some(a.cuda_slice_mut()?),
         None => None,
@@ -101,9 +127,10 @@ pub(crate) fn cast_into(
                 None => None,
             };
             let qts = qt.cuda_slice_mut()?;
-            // SAFETY: (const T* x, u8* q, u8* qt, u64 m, u64 k, const float* scale, float*
+            // SAFETY: (const T* x, u8* q, u8* qt, u64 m, u64 k, Fp8Scale scale, float*
             // scale_inv, float* amax): x is [m, k] of T, q [m, k] bytes or null, qt [k, m]
-            // bytes, scale/scale_inv/amax one float each (amax may be null).
+            // bytes, scale's live pointer and scale_inv/amax one float each (amax may be
+            // null).
             unsafe {
                 launch(&dev, &f, cfg, OP, |b| {
                     b.arg(x.cuda_slice().expect("device tensor"));
@@ -111,11 +138,7 @@ pub(crate) fn cast_into(
                         Some(q) => b.arg(q),
                         None => b.arg(&null),
                     };
-                    b.arg(qts)
-                        .arg(&mu)
-                        .arg(&ku)
-                        .arg(scale.cuda_slice().expect("device tensor"))
-                        .arg(sis);
+                    b.arg(qts).arg(&mu).arg(&ku).arg(&sa).arg(sis);
                     match amax_ptr {
                         Some(a) => b.arg(a),
                         None => b.arg(&null),
@@ -134,8 +157,9 @@ pub(crate) fn cast_into(
         let cfg = grid_1d(&dev, x.numel().div_ceil(16), BLOCK)?;
         {
             let qs = q.cuda_slice_mut()?;
-            // SAFETY: (const T* x, u8* q, u64 n, const float* scale, float* scale_inv,
-            // float* amax): x holds n elements of T, q n bytes; 16-element steps read
+            // SAFETY: (const T* x, u8* q, u64 n, Fp8Scale scale, float* scale_inv, float*
+            // amax): x holds n elements of T, q n bytes, scale's live pointer and
+            // scale_inv/amax one float each (amax may be null); 16-element steps read
             // 16-byte-aligned vectors (allocations are 256-byte aligned and steps start at
             // multiples of 16 elements).
             unsafe {
@@ -143,7 +167,7 @@ pub(crate) fn cast_into(
                     b.arg(x.cuda_slice().expect("device tensor"))
                         .arg(qs)
                         .arg(&n)
-                        .arg(scale.cuda_slice().expect("device tensor"))
+                        .arg(&sa)
                         .arg(sis);
                     match amax_ptr {
                         Some(a) => b.arg(a),

@@ -227,6 +227,36 @@ pub(crate) fn tile_grid(
     })
 }
 
+/// The launch of a banded tile kernel (`tile_banded` in kernels/common.cuh) over an
+/// `[m, k]` matrix cut into `t x t` tiles: bands of `h` tile rows, `h` the least power of
+/// two at least the number of tile rows, at most 8; `grid.x` covers a band (its tile
+/// columns times `h`, tile rows fastest), `grid.y` counts the bands. The last band's
+/// tiles past the matrix have CTAs that return at once. Fails when a band holds more
+/// than 2^31 - 1 tiles or there are more than 65535 bands.
+pub(crate) fn banded_grid(op: &'static str, m: usize, k: usize, t: usize) -> Result<LaunchConfig> {
+    let (gx, gy) = (m.div_ceil(t).max(1), k.div_ceil(t).max(1));
+    let h = gx.next_power_of_two().min(1 << BAND_ROWS_LOG2);
+    let (x, y) = (gy.saturating_mul(h), gx.div_ceil(h));
+    if x > i32::MAX as usize || y > u16::MAX as usize {
+        return Err(Error::shape(
+            op,
+            format!(
+                "[{m}, {k}] needs {y} bands of {h} x {gy} tiles of {t}x{t}; a launch holds at \
+                 most 65535 bands of at most {} tiles",
+                i32::MAX
+            ),
+        ));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (x as u32, y as u32, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// log2 of the most tile rows in a band (`TQ_BAND_ROWS_LOG2` in kernels/common.cuh).
+const BAND_ROWS_LOG2: u32 = 3;
+
 /// The device handle of a CUDA tensor.
 pub(crate) fn device_of(t: &Tensor) -> Result<std::sync::Arc<CudaDevice>> {
     Ok(t.cuda_device()?.clone())
@@ -257,6 +287,42 @@ mod tests {
                 .grid_dim,
             (70_000, 1, 1)
         );
+    }
+
+    #[test]
+    fn banded_grid_covers_bands_of_a_power_of_two_tile_rows() {
+        // 128 x 64 tiles: 16 bands of 8 tile rows.
+        let cfg = banded_grid("test", 16384, 8192, 128).unwrap();
+        assert_eq!(cfg.grid_dim, (8 * 64, 16, 1));
+        assert_eq!(cfg.block_dim, (BLOCK, 1, 1));
+        // 33 tile rows: a fifth band of 8 with one tile row in the matrix.
+        assert_eq!(
+            banded_grid("test", 33 * 128, 128, 128).unwrap().grid_dim,
+            (8, 5, 1)
+        );
+        // 3 tile rows: one band of 4 (the least power of two), ragged columns round up.
+        assert_eq!(
+            banded_grid("test", 3 * 128 - 16, 129, 128)
+                .unwrap()
+                .grid_dim,
+            (4 * 2, 1, 1)
+        );
+        // One tile row, and an empty matrix: bands of one.
+        assert_eq!(
+            banded_grid("test", 16, 1024, 128).unwrap().grid_dim,
+            (8, 1, 1)
+        );
+        assert_eq!(banded_grid("test", 0, 0, 128).unwrap().grid_dim, (1, 1, 1));
+    }
+
+    #[test]
+    fn banded_grid_refuses_what_a_launch_cannot_hold() {
+        // 65536 bands of 8 tile rows of 128.
+        let err = banded_grid("test", 128 * 8 * 65536, 128, 128).unwrap_err();
+        assert!(err.to_string().contains("65536 bands"), "{err}");
+        // A band of 8 x 2^28 tiles.
+        let err = banded_grid("test", 128 * 8, 128 << 28, 128).unwrap_err();
+        assert!(err.to_string().contains("2147483647"), "{err}");
     }
 
     #[test]

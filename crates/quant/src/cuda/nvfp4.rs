@@ -7,7 +7,7 @@ use tessera_core::cuda::{CudaDevice, grid_1d};
 use tessera_core::{DType, Device, Error, Result, Tensor};
 use tessera_rng::Generator;
 
-use super::{BLOCK, NVFP4_PTX, Outputs, device_of, dtype_suffix, launch, tile_grid};
+use super::{BLOCK, NVFP4_PTX, Outputs, banded_grid, device_of, dtype_suffix, launch, tile_grid};
 use crate::values::check_input;
 use crate::{AmaxReduction, BufferName, QuantizedTensor};
 
@@ -188,7 +188,7 @@ pub(crate) fn quantize_into(
         let (name, cfg) = if plain {
             (
                 format!("tessera_nvfp4_both_{sfx}"),
-                tile_grid(OP, m, k, 128, 128)?,
+                banded_grid(OP, m, k, 128)?,
             )
         } else {
             (format!("tessera_nvfp4_{sfx}"), tile_grid(OP, m, k, 64, 64)?)
@@ -198,7 +198,7 @@ pub(crate) fn quantize_into(
         // multiples of 16 (checked by the quantizer); the argument's pointers address live
         // buffers of `out` (data [m, k/2] and [k, m/2] bytes, the padded scale grids) and
         // the amax scalars, all of which outlive the launch on this stream; null pointers
-        // mark absent usages; the grid's tiles (128x128 or 64x64) cover [m, k].
+        // mark absent usages; the grid's tiles (128x128 banded or 64x64) cover [m, k].
         unsafe {
             launch(&dev, &f, cfg, OP, |b| {
                 b.arg(x.cuda_slice().expect("device tensor")).arg(&args);
