@@ -5,10 +5,15 @@
 // fmaf round to nearest even here as on the GPU; CUDA's fminf returns the non-NaN operand,
 // emulated explicitly). Also the both kernel's fast-path encoder (e2m1_biased_fast: no
 // saturation term, the minimum taken on the bits as unsigned integers) against the same
-// reference's magnitude on every float with |y| < 7, the only inputs it is given. Build
-// and run:
-//   g++ -O2 -fopenmp bench/cuda/e2m1_check.cpp -o e2m1 && ./e2m1
-// Output of 2026-12-03: "mismatches 0" and "fast-path mismatches 0 of 2176843776".
+// reference's magnitude on every float with |y| < 7, the only inputs it is given. And the
+// stochastic-rounding code (e2m1_sr: the least of floor(2t), floor(t) + 2, floor(t/2) + 4
+// and 7, each a float32 operation rounding toward -inf onto 2^23) against its definition,
+// code(min(floor(t / step(t)) * step(t), 6)), on every float t >= 0 (+Inf included; t
+// cannot be NaN). Build and run:
+//   g++ -O2 -frounding-math -fopenmp bench/cuda/e2m1_check.cpp -o e2m1 && ./e2m1
+// Output of 2026-12-03: "mismatches 0", "fast-path mismatches 0 of 2176843776" and
+// "stochastic-rounding mismatches 0 of 2139095041".
+#include <cfenv>
 #include <cstdint>
 #include <cstring>
 #include <cmath>
@@ -45,6 +50,23 @@ static inline uint32_t fast_magnitude(float y){
   const uint32_t f2 = B(std::fmaf(a, 0.5f, K0 + 4.0f));
   return std::min(std::min(f0, f1), f2) - B(K0);
 }
+static inline float step(float v){ return v < 2.0f ? 0.5f : (v < 4.0f ? 1.0f : 2.0f); }
+// The definition (spec/formats.md 2.4), after t = |x| + u * step(|x|).
+static inline uint32_t sr_reference(float t){
+  const float s = step(t);
+  const float v = std::min(std::floor(t / s) * s, 6.0f);
+  return old_e2m1(v) & 7u;
+}
+// The kernel's form; the caller has set the rounding mode to toward -inf. All three
+// are fmaf calls (the add as t * 1 + c), which honour the dynamic rounding mode: GCC
+// may evaluate a plain + before the fesetround that precedes it.
+static inline uint32_t sr_kernel(float t){
+  const float K0 = 8388608.0f;
+  const uint32_t f0 = B(std::fmaf(t, 2.0f, K0));
+  const uint32_t f1 = B(std::fmaf(t, 1.0f, K0 + 2.0f));
+  const uint32_t f2 = B(std::fmaf(t, 0.5f, K0 + 4.0f));
+  return std::min(std::min(f0, f1), std::min(f2, B(K0 + 7.0f))) - B(K0);
+}
 int main(){
   unsigned long long bad=0; uint32_t first=0;
   #pragma omp parallel for reduction(+:bad) schedule(static)
@@ -62,4 +84,19 @@ int main(){
     if(fast_magnitude(y)!=(old_e2m1(y)&7u)) fbad++;
   }
   printf("fast-path mismatches %llu of %llu\n", fbad, fn);
+  unsigned long long sbad=0, sn=0; uint32_t sfirst=0;
+  #pragma omp parallel reduction(+:sbad,sn)
+  {
+    #pragma omp for schedule(static)
+    for(long long i=0;i<=0x7F800000LL;++i){
+      const float t=F((uint32_t)i);
+      const uint32_t want=sr_reference(t);
+      std::fesetround(FE_DOWNWARD);
+      const uint32_t got=sr_kernel(t);
+      std::fesetround(FE_TONEAREST);
+      sn++;
+      if(got!=want){ sbad++; if(!sfirst) sfirst=(uint32_t)i; }
+    }
+  }
+  printf("stochastic-rounding mismatches %llu of %llu (first %08x)\n", sbad, sn, sfirst);
 }

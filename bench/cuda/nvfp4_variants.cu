@@ -239,6 +239,44 @@ static void run_shape(u64 M, u64 K, int normal) {
             }
         }
     }
+    // The RHT + stochastic-rounding recipe's parts: the RHT amax pass (grid as the
+    // library's grid_1d: 4 waves of 8 CTAs per SM at most) and the general kernel with
+    // both usages.
+    {
+        float* amax_rht;
+        CK(cudaMalloc(&amax_rht, 4));
+        const u64 cols = 8;  // RHT_AMAX_COLS for 2-byte types
+        const unsigned g_rht = (unsigned)std::min<u64>((M / 16) * (K / cols) / 256 + 1, 4ull * 132 * 8);
+        const float t_rht = time_ms([&] {
+            CK(cudaMemsetAsync(amax_rht, 0, 4));
+            tessera_nvfp4_rht_amax_bf16<<<g_rht, 256>>>(x, M, K, amax_rht);
+        });
+        std::printf("%-40s %8.4f ms %8.1f GB/s %6.3f of copy\n", "rht amax (memset + kernel)", t_rht,
+                    2.0 * n / t_rht / 1e6, 2.0 * n / t_rht / 1e6 / copy_gbs);
+        Nvfp4Args a{};
+        a.m = M;
+        a.k = K;
+        a.amax_row = amax;
+        a.amax_col = amax_rht;
+        a.q_row = q;
+        a.s_row = sr;
+        a.s_row_cols = sr_cols;
+        a.q_col = qt;
+        a.s_col = sc;
+        a.s_col_cols = sc_cols;
+        a.rht = 1;
+        a.sr = 1;
+        a.seed = 3;
+        a.off_col = M * K / 4;
+        clear();
+        const float t_gen = time_ms([&] { tessera_nvfp4_bf16<<<((M + 63) / 64) * ((K + 63) / 64), 256>>>(x, a); });
+        const double bytes = in + 2 * ob;
+        std::printf("%-40s %8.4f ms %8.1f GB/s %6.3f of copy  hash %016llx %016llx %016llx %016llx\n",
+                    "general kernel, rht + sr, both", t_gen, bytes / t_gen / 1e6, bytes / t_gen / 1e6 / copy_gbs,
+                    (unsigned long long)fnv(q, n / 2), (unsigned long long)fnv(sr, n / 16),
+                    (unsigned long long)fnv(qt, n / 2), (unsigned long long)fnv(sc, n / 16));
+        CK(cudaFree(amax_rht));
+    }
     CK(cudaFree(x));
     CK(cudaFree(tmp));
     CK(cudaFree(q));

@@ -82,15 +82,22 @@ __device__ __forceinline__ uint32_t e2m1x8(const float* v, float g) {
 
 __device__ __forceinline__ float e2m1_step(float v) { return v < 2.0f ? 0.5f : (v < 4.0f ? 1.0f : 2.0f); }
 
-// Stochastic rounding with 8 random bits (spec/formats.md 2.4; nvfp4.rs).
+// Stochastic rounding with 8 random bits (spec/formats.md 2.4; nvfp4.rs): t = |x| + u *
+// step(|x|) with u = r8 / 256 (the product is exact, so one fma), then the code of
+// min(floor(t / step(t)) * step(t), 6), which is the least of floor(2t), floor(t) + 2,
+// floor(t / 2) + 4 and 7: e2m1_biased's three grids rounded toward -inf instead of to
+// nearest. Checked against the definition on every t >= 0 (bench/cuda/e2m1_check.cpp).
+// NaN -> 7 (+6).
 __device__ __forceinline__ uint32_t e2m1_sr(float x, uint32_t r8) {
     if (isnan(x)) return 7u;
     const float a = fabsf(x);
-    const float u = __fmul_rn((float)r8, 0.00390625f);
-    const float t = __fadd_rn(a, __fmul_rn(u, e2m1_step(a)));
-    const float s = e2m1_step(t);
-    const float v = fminf(__fmul_rn(floorf(__fdiv_rn(t, s)), s), 6.0f);
-    return (signbit(x) ? 8u : 0u) | e2m1(v);
+    const float t = __fmaf_rn(__fmul_rn((float)r8, 0.00390625f), e2m1_step(a), a);
+    const float k = 8388608.0f;  // 2^23
+    const uint32_t f0 = __float_as_uint(__fmaf_rd(t, 2.0f, k));
+    const uint32_t f1 = __float_as_uint(__fadd_rd(t, k + 2.0f));
+    const uint32_t f2 = __float_as_uint(__fmaf_rd(t, 0.5f, k + 4.0f));
+    const uint32_t m = min(min(f0, f1), min(f2, __float_as_uint(k + 7.0f)));  // t >= 0: bits order as values
+    return (signbit(x) ? 8u : 0u) | (m - 0x4B000000u);
 }
 
 // The value of an E2M1 code, exactly: the code's bits placed at float32 bit 22 read as a
@@ -125,17 +132,28 @@ __device__ __forceinline__ float block_encode_scale(uint8_t e, float s_dec) {
 
 // ---- RHT -------------------------------------------------------------------------------
 
-__constant__ float RHT_SIGN[16] = {1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1};
+// The RHT's sign vector s (TE's fixed one: +1 +1 +1 -1 +1 -1 -1 -1 -1 -1 -1 +1 -1 +1 -1 -1),
+// bit t set where s_t = -1: a compile-time constant, so that each s_t * H[t][j] / 4 in
+// the unrolled sums folds to an immediate (from __constant__ memory it cost a multiply
+// per term).
+constexpr uint32_t RHT_NEGATIVE = 0xD7E8u;
+__device__ __forceinline__ float rht_sign(int t) { return (RHT_NEGATIVE >> t) & 1u ? -1.0f : 1.0f; }
 
 __device__ __forceinline__ float hadamard(int t, int j) { return (__popc(t & j) & 1) ? -0.25f : 0.25f; }
 
-// y_j = sum_t v_t * s_t * H[t][j] / 4, accumulated in index order from +0.
-__device__ __forceinline__ void rht16(const float* v, float* y) {
+// y_j = sum_t v_t * s_t * H[t][j] / 4, accumulated in index order from +0. With
+// `Exact` (values of a 2-byte type: 11 significant bits at most and no exponent below
+// 2^-133) every product v_t * (+-1/4) is exact, so one fma per term gives the same sums
+// as a multiply and an add; f32 values (whose subnormal products would round) take both.
+template <bool Exact> __device__ __forceinline__ void rht16(const float* v, float* y) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
         float acc = 0.0f;
 #pragma unroll
-        for (int t = 0; t < 16; ++t) acc = __fadd_rn(acc, __fmul_rn(v[t], __fmul_rn(RHT_SIGN[t], hadamard(t, j))));
+        for (int t = 0; t < 16; ++t) {
+            const float c = rht_sign(t) * hadamard(t, j);
+            acc = Exact ? __fmaf_rn(v[t], c, acc) : __fadd_rn(acc, __fmul_rn(v[t], c));
+        }
         y[j] = acc;
     }
 }
@@ -146,26 +164,42 @@ __device__ __forceinline__ void inverse_rht16(const float* y, float* v) {
         float acc = 0.0f;
 #pragma unroll
         for (int j = 0; j < 16; ++j) acc = __fadd_rn(acc, __fmul_rn(y[j], hadamard(t, j)));
-        v[t] = __fmul_rn(acc, RHT_SIGN[t]);
+        v[t] = __fmul_rn(acc, rht_sign(t));
     }
 }
 
-// NaN-ignoring amax of the RHT-transformed columnwise operand: thread per (column, run of
-// 16 rows). out must start at 0.
+// NaN-ignoring amax of the RHT-transformed columnwise operand: thread per (group of
+// RHT_AMAX_COLS<T> columns, run of 16 rows); 2-byte types read 8 columns as one 16-byte
+// vector per row (k is a multiple of 16). out must start at 0.
+template <class T> constexpr int RHT_AMAX_COLS = sizeof(T) == 2 ? 8 : 1;
 template <class T>
 __device__ void rht_amax_impl(const T* __restrict__ x, u64 m, u64 k, float* out) {
     __shared__ float smem[32];
-    const u64 runs = (m / 16) * k;
+    constexpr int C = RHT_AMAX_COLS<T>;
+    const u64 groups = k / C, runs = (m / 16) * groups;
     float mx = 0.0f;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < runs; i += stride) {
-        const u64 c = i % k, run = i / k;
-        float v[16], y[16];
+        const u64 c = (i % groups) * C, run = i / groups;
+        union {
+            uint4 u;
+            T e[16 / sizeof(T)];
+        } raw[16];
 #pragma unroll
-        for (int t = 0; t < 16; ++t) v[t] = In<T>::f32(x[(run * 16 + t) * k + c]);
-        rht16(v, y);
+        for (int t = 0; t < 16; ++t) {
+            const T* p = x + (run * 16 + t) * k + c;
+            if constexpr (C == 8) raw[t].u = *reinterpret_cast<const uint4*>(p);
+            else raw[t].e[0] = *p;
+        }
 #pragma unroll
-        for (int t = 0; t < 16; ++t) mx = fmaxf(mx, fabsf(y[t]));
+        for (int j = 0; j < C; ++j) {
+            float v[16], y[16];
+#pragma unroll
+            for (int t = 0; t < 16; ++t) v[t] = In<T>::f32(raw[t].e[j]);
+            rht16<sizeof(T) == 2>(v, y);
+#pragma unroll
+            for (int t = 0; t < 16; ++t) mx = fmaxf(mx, fabsf(y[t]));
+        }
     }
     mx = block_max(mx, smem);
     if (threadIdx.x == 0) atomic_max_nonneg(out, mx);
@@ -684,7 +718,7 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
     for (int i = 0; i < 16; ++i) w[i] = tile[run * 16 + i][cc];
     if (a.rht) {
         float y[16];
-        rht16(w, y);
+        rht16<sizeof(T) == 2>(w, y);
 #pragma unroll
         for (int i = 0; i < 16; ++i) w[i] = y[i];
     }

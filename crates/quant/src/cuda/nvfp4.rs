@@ -65,9 +65,13 @@ fn global_amax(
             &format!("tessera_nvfp4_rht_amax_{}", dtype_suffix(OP, x.dtype())?),
         )?;
         let (mu, ku) = (m as u64, k as u64);
-        let cfg = grid_1d(dev, (m / 16) * k, BLOCK)?;
+        // A thread per run of 16 rows of RHT_AMAX_COLS columns (8 for 2-byte types).
+        let cols = if x.dtype().size_in_bytes() == 2 { 8 } else { 1 };
+        let cfg = grid_1d(dev, (m / 16) * (k / cols), BLOCK)?;
         let o = out.cuda_slice_mut()?;
-        // SAFETY: (const T* x, u64 m, u64 k, float* out): x is [m, k] with m % 16 == 0.
+        // SAFETY: (const T* x, u64 m, u64 k, float* out): x is [m, k] with m and k
+        // multiples of 16 (checked by the quantizer), so 8-column groups of 2-byte T are
+        // 16-byte aligned rows of a 256-byte-aligned allocation.
         unsafe {
             launch(dev, &f, cfg, OP, |b| {
                 b.arg(x.cuda_slice().expect("device tensor"))
