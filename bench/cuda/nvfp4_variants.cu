@@ -147,6 +147,21 @@ static void run_shape(u64 M, u64 K, int normal) {
         CK(cudaMemset(sc, 0, s_bytes));
     };
     const double in = 2.0 * n, ob = n / 2.0 + n / 16.0;
+    // The kernels' arguments for this shape's buffers (columnwise ones when `both`).
+    auto args = [&](const float* amax_col, bool both) {
+        Nvfp4Args a{};
+        a.m = M;
+        a.k = K;
+        a.amax_row = amax;
+        a.amax_col = amax_col;
+        a.q_row = q;
+        a.s_row = sr;
+        a.s_row_cols = sr_cols;
+        a.q_col = both ? qt : nullptr;
+        a.s_col = both ? sc : nullptr;
+        a.s_col_cols = sc_cols;
+        return a;
+    };
     for (int both = 0; both < 2; ++both) {
         for (int swz = 0; swz < (M % 128 == 0 && K % 64 == 0 ? 2 : 1); ++swz) {
             auto report = [&](const char* name, float ms) {
@@ -163,17 +178,7 @@ static void run_shape(u64 M, u64 K, int normal) {
             char name[96];
             // Shipped kernel.
             clear();
-            Nvfp4Args a{};
-            a.m = M;
-            a.k = K;
-            a.amax_row = amax;
-            a.amax_col = amax;
-            a.q_row = q;
-            a.s_row = sr;
-            a.s_row_cols = sr_cols;
-            a.q_col = both ? qt : nullptr;
-            a.s_col = both ? sc : nullptr;
-            a.s_col_cols = sc_cols;
+            Nvfp4Args a = args(amax, both != 0);
             a.swizzled = swz;
             float ms = time_ms([&] { tessera_nvfp4_bf16<<<((M + 63) / 64) * ((K + 63) / 64), 256>>>(x, a); });
             std::snprintf(name, sizeof name, "shipped %s%s", both ? "both" : "rowwise", swz ? " swz" : "");
@@ -253,17 +258,7 @@ static void run_shape(u64 M, u64 K, int normal) {
         });
         std::printf("%-40s %8.4f ms %8.1f GB/s %6.3f of copy\n", "rht amax (memset + kernel)", t_rht,
                     2.0 * n / t_rht / 1e6, 2.0 * n / t_rht / 1e6 / copy_gbs);
-        Nvfp4Args a{};
-        a.m = M;
-        a.k = K;
-        a.amax_row = amax;
-        a.amax_col = amax_rht;
-        a.q_row = q;
-        a.s_row = sr;
-        a.s_row_cols = sr_cols;
-        a.q_col = qt;
-        a.s_col = sc;
-        a.s_col_cols = sc_cols;
+        Nvfp4Args a = args(amax_rht, true);
         a.rht = 1;
         a.sr = 1;
         a.seed = 3;
