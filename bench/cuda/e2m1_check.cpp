@@ -9,10 +9,14 @@
 // stochastic-rounding code (e2m1_sr: the least of floor(2t), floor(t) + 2, floor(t/2) + 4
 // and 7, each a float32 operation rounding toward -inf onto 2^23) against its definition,
 // code(min(floor(t / step(t)) * step(t), 6)), on every float t >= 0 (+Inf included; t
-// cannot be NaN). Build and run:
+// cannot be NaN). And the whole stochastic-rounding encoder (its uniform from the byte's
+// bits, 2 step(|x|) from the exponent bits, no NaN branch) against the previous one
+// (division by the step, NaN branch) on every float x, each with a byte taken from a
+// hash of x. Build and run:
 //   g++ -O2 -frounding-math -fopenmp bench/cuda/e2m1_check.cpp -o e2m1 && ./e2m1
 // Output of 2026-12-03: "mismatches 0", "fast-path mismatches 0 of 2176843776" and
-// "stochastic-rounding mismatches 0 of 2139095041".
+// "stochastic-rounding mismatches 0 of 2139095041" and "stochastic-rounding encoder
+// mismatches 0 of 4294967296".
 #include <cfenv>
 #include <cstdint>
 #include <cstring>
@@ -67,6 +71,32 @@ static inline uint32_t sr_kernel(float t){
   const uint32_t f2 = B(std::fmaf(t, 0.5f, K0 + 4.0f));
   return std::min(std::min(f0, f1), std::min(f2, B(K0 + 7.0f))) - B(K0);
 }
+// The previous kernel's encoder (x, byte r8), in round to nearest.
+static inline uint32_t sr_encoder_before(float x, uint32_t r8){
+  if (std::isnan(x)) return 7u;
+  const float a = std::fabs(x);
+  const float t = a + (float)r8 * 0.00390625f * step(a);  // the product is exact
+  const float s = step(t);
+  const float v = std::min(std::floor(t / s) * s, 6.0f);
+  return (std::signbit(x) ? 8u : 0u) | (old_e2m1(v) & 7u);
+}
+// The kernel's encoder: h = r8 / 512 from the bits, 2 step from the exponent, t in round
+// to nearest; the lines in round toward -inf (volatile keeps each side of fesetround).
+static inline uint32_t sr_encoder_now(float x, uint32_t r8){
+  const float h = F(0x46800000u | r8) - 16384.0f;
+  const float step2 = F(std::min(std::max(B(x) & 0x7F800000u, 0x3F800000u), 0x40800000u));
+  volatile float vt = std::fmaf(h, step2, std::fabs(x));
+  std::fesetround(FE_DOWNWARD);
+  const float t = vt;
+  const float K0 = 8388608.0f;
+  const uint32_t f0 = B(std::fmaf(t, 2.0f, K0));
+  const uint32_t f1 = B(std::fmaf(t, 1.0f, K0 + 2.0f));
+  const uint32_t f2 = B(std::fmaf(t, 0.5f, K0 + 4.0f));
+  volatile uint32_t m = std::min(std::min(f0, f1), std::min(f2, B(K0 + 7.0f)));
+  std::fesetround(FE_TONEAREST);
+  const bool neg = (int32_t)B(x) <= (int32_t)0xFF800000u;
+  return (m - B(K0)) | (neg ? 8u : 0u);
+}
 int main(){
   unsigned long long bad=0; uint32_t first=0;
   #pragma omp parallel for reduction(+:bad) schedule(static)
@@ -99,4 +129,14 @@ int main(){
     }
   }
   printf("stochastic-rounding mismatches %llu of %llu (first %08x)\n", sbad, sn, sfirst);
+  unsigned long long ebad=0, en=0; uint32_t efirst=0;
+  #pragma omp parallel for reduction(+:ebad,en) schedule(static)
+  for(long long i=0;i<(1LL<<32);++i){
+    const uint32_t xb=(uint32_t)i;
+    const uint32_t r8=(xb*2654435761u)>>24;
+    const float x=F(xb);
+    en++;
+    if(sr_encoder_now(x,r8)!=sr_encoder_before(x,r8)){ ebad++; if(!efirst) efirst=xb; }
+  }
+  printf("stochastic-rounding encoder mismatches %llu of %llu (first %08x)\n", ebad, en, efirst);
 }

@@ -29,9 +29,19 @@ __device__ __forceinline__ uint4 random16(u64 seed, u64 offset, u64 el0) {
                   make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
 }
 
-__device__ __forceinline__ uint32_t random_byte(uint4 r, int j) {
+// prmt.b32 (default mode): byte n of the result is the byte of {b, a} chosen by nibble n
+// of s, or that byte's sign bit replicated when the nibble's bit 3 is set.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
+    uint32_t r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+    return r;
+}
+
+// Half the uniform of element j's stochastic rounding, byte / 512: the byte placed in
+// the low mantissa bits of 16384 (whose ulp is 2^-9) by one byte permute, less 16384.
+__device__ __forceinline__ float sr_half_uniform(uint4 r, int j) {
     const uint32_t w = (j / 4) == 0 ? r.x : (j / 4) == 1 ? r.y : (j / 4) == 2 ? r.z : r.w;
-    return (w >> (8 * (j % 4))) & 0xFFu;
+    return __fadd_rn(__uint_as_float(prmt(w, 0x46800000u, 0x7650u | (uint32_t)(j % 4))), -16384.0f);
 }
 
 // ---- E2M1 -----------------------------------------------------------------------------
@@ -80,24 +90,25 @@ __device__ __forceinline__ uint32_t e2m1x8(const float* v, float g) {
     return w - 0x4B000000u * 0x11111111u;
 }
 
-__device__ __forceinline__ float e2m1_step(float v) { return v < 2.0f ? 0.5f : (v < 4.0f ? 1.0f : 2.0f); }
-
-// Stochastic rounding with 8 random bits (spec/formats.md 2.4; nvfp4.rs): t = |x| + u *
-// step(|x|) with u = r8 / 256 (the product is exact, so one fma), then the code of
-// min(floor(t / step(t)) * step(t), 6), which is the least of floor(2t), floor(t) + 2,
-// floor(t / 2) + 4 and 7: e2m1_biased's three grids rounded toward -inf instead of to
-// nearest. Checked against the definition on every t >= 0 (bench/cuda/e2m1_check.cpp).
-// NaN -> 7 (+6).
-__device__ __forceinline__ uint32_t e2m1_sr(float x, uint32_t r8) {
-    if (isnan(x)) return 7u;
-    const float a = fabsf(x);
-    const float t = __fmaf_rn(__fmul_rn((float)r8, 0.00390625f), e2m1_step(a), a);
+// Stochastic rounding with 8 random bits r8, given as h = r8 / 512 (spec/formats.md 2.4;
+// nvfp4.rs): t = |x| + (r8 / 256) * step(|x|), step 0.5 below 2, 1 below 4, else 2, then
+// the code of min(floor(t / step(t)) * step(t), 6).
+// - 2 step(a) is a's exponent clamped to [1, 4] (integer min/max on the bits; NaN and
+//   Inf take 4), and h * 2 step(a) is exact, so t is one fma.
+// - The code is the least of floor(2t), floor(t) + 2, floor(t / 2) + 4 and 7:
+//   e2m1_biased's three grids rounded toward -inf instead of to nearest (checked against
+//   the definition on every t >= 0: bench/cuda/e2m1_check.cpp).
+// - No branch for NaN: its lines are NaN, whose bits exceed 7's, so the code is 7 (+6),
+//   and e2m1_negative gives it no sign.
+__device__ __forceinline__ uint32_t e2m1_sr(float x, float h) {
+    const float step2 = __uint_as_float(min(max(__float_as_uint(x) & 0x7F800000u, 0x3F800000u), 0x40800000u));
+    const float t = __fmaf_rn(h, step2, fabsf(x));
     const float k = 8388608.0f;  // 2^23
     const uint32_t f0 = __float_as_uint(__fmaf_rd(t, 2.0f, k));
     const uint32_t f1 = __float_as_uint(__fadd_rd(t, k + 2.0f));
     const uint32_t f2 = __float_as_uint(__fmaf_rd(t, 0.5f, k + 4.0f));
-    const uint32_t m = min(min(f0, f1), min(f2, __float_as_uint(k + 7.0f)));  // t >= 0: bits order as values
-    return (signbit(x) ? 8u : 0u) | (m - 0x4B000000u);
+    const uint32_t m = min(min(f0, f1), min(f2, __float_as_uint(k + 7.0f)));  // t >= 0 or NaN
+    return (m - 0x4B000000u) | (e2m1_negative(x) ? 8u : 0u);
 }
 
 // The value of an E2M1 code, exactly: the code's bits placed at float32 bit 22 read as a
@@ -348,14 +359,6 @@ __device__ void nvfp4_both_general(const BothTile<T>& d, u64 r0, u64 col, bool v
 // input bits, and the least of the three roundings is one 3-input integer min. A warp
 // takes this path when every block of its tile passes `b <= lim[e]` (below), else the
 // general path; both give the same bytes.
-
-// prmt.b32 (default mode): byte n of the result is the byte of {b, a} chosen by nibble n
-// of s, or that byte's sign bit replicated when the nibble's bit 3 is set.
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
-    uint32_t r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
-    return r;
-}
 
 // The sign nibbles of 8 two-byte elements: bit 4j+3 is the sign of element j, all other
 // bits 0. u holds (as 0x00/0xFF bytes) the signs of elements 0, 2, 4, 6 and v those of 1,
@@ -702,7 +705,7 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
             const float y = __fmul_rn(v[j], g);
-            const uint32_t code = a.sr ? e2m1_sr(y, random_byte(rnd, j)) : e2m1(y);
+            const uint32_t code = a.sr ? e2m1_sr(y, sr_half_uniform(rnd, j)) : e2m1(y);
             packed[j / 8] |= code << (4 * (j % 8));
         }
         reinterpret_cast<uint2*>(a.q_row + row * (a.k / 2) + col / 2)[0] = make_uint2(packed[0], packed[1]);
@@ -750,7 +753,7 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
         const float y = __fmul_rn(w[i], g);
-        const uint32_t code = a.sr ? e2m1_sr(y, random_byte(rnd, i)) : e2m1(y);
+        const uint32_t code = a.sr ? e2m1_sr(y, sr_half_uniform(rnd, i)) : e2m1(y);
         packed[i / 8] |= code << (4 * (i % 8));
     }
     reinterpret_cast<uint2*>(a.q_col + kk * (a.m / 2) + mm / 2)[0] = make_uint2(packed[0], packed[1]);
