@@ -131,11 +131,13 @@ static void run_shape(u64 M, u64 K, int normal) {
     const double copy_gbs = 4.0 * n / ms_copy / 1e6;
     std::printf("\n[%llu, %llu] %s inputs; cudaMemcpy d2d %.4f ms %.1f GB/s\n", (unsigned long long)M,
                 (unsigned long long)K, normal ? "normal" : "wide-range + NaN/Inf/0", ms_copy, copy_gbs);
+    // The library's grid for the amax pass (grid_1d: 4 waves of 8 CTAs per SM at most).
+    const unsigned amax_grid = (unsigned)std::min<u64>((n / 8 + 255) / 256, 4ull * 132 * 8);
     CK(cudaMemset(amax, 0, 4));
-    tessera_amax_bf16<<<1024, 256>>>(x, n, amax);
+    tessera_amax_bf16<<<amax_grid, 256>>>(x, n, amax);
     const float ms_a = time_ms([&] {
         CK(cudaMemsetAsync(amax, 0, 4));
-        tessera_amax_bf16<<<1024, 256>>>(x, n, amax);
+        tessera_amax_bf16<<<amax_grid, 256>>>(x, n, amax);
     });
     std::printf("%-40s %8.4f ms %8.1f GB/s %6.3f of copy\n", "amax (memset + kernel)", ms_a, 2.0 * n / ms_a / 1e6,
                 2.0 * n / ms_a / 1e6 / copy_gbs);
@@ -230,7 +232,7 @@ static void run_shape(u64 M, u64 K, int normal) {
                     clear();
                     const float tp = time_ms([&] {
                         CK(cudaMemsetAsync(amax, 0, 4));
-                        tessera_amax_bf16<<<1024, 256>>>(x, n, amax);
+                        tessera_amax_bf16<<<amax_grid, 256>>>(x, n, amax);
                         if (pipe)
                             tessera_nvfp4_both_pipe_bf16<<<pipe_grid, 256, pipe_smem>>>(x, a);
                         else

@@ -6,18 +6,31 @@
 // ---- amax ----------------------------------------------------------------------------
 
 // out[0] = max(out[0], NaN-ignoring max |x|); out must start at 0 (or a previous amax).
+// Grid-stride over 16-byte vectors, AMAX_UNROLL independent loads in flight per thread
+// before any is reduced (packed maxima for 2-byte types, amax_of): the pass is a pure
+// read, and every two-pass quantizer (current scaling, NVFP4) pays for it.
+#ifndef AMAX_UNROLL
+#define AMAX_UNROLL 4
+#endif
 template <class T>
 __device__ void amax_impl(const T* __restrict__ x, u64 n, float* out) {
     __shared__ float smem[32];
-    constexpr int V = 16 / sizeof(T);
+    constexpr int V = 16 / sizeof(T), U = AMAX_UNROLL;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
     float m = 0.0f;
     const u64 nv = n / V;
     const u64 stride = (u64)gridDim.x * blockDim.x;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nv; i += stride) {
-        union { uint4 v; T e[V]; } u;
-        u.v = reinterpret_cast<const uint4*>(x)[i];
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + (U - 1) * stride < nv; i += U * stride) {
+        uint4 v[U];
 #pragma unroll
-        for (int j = 0; j < V; ++j) m = fmaxf(m, fabsf(In<T>::f32(u.e[j])));
+        for (int u = 0; u < U; ++u) v[u] = xv[i + u * stride];
+#pragma unroll
+        for (int u = 0; u < U; ++u) m = fmaxf(m, amax_of<T, V>(&v[u].x));
+    }
+    for (; i < nv; i += stride) {
+        const uint4 v = xv[i];
+        m = fmaxf(m, amax_of<T, V>(&v.x));
     }
     for (u64 i = nv * V + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         m = fmaxf(m, fabsf(In<T>::f32(x[i])));
