@@ -494,8 +494,6 @@ __device__ __forceinline__ void both_tile(const BothTile<T>& d, const BothLane& 
                                           const Nvfp4Args& a, BothShared& sh) {
     const int cg = l.cg, g = l.g, rt = l.rt, ct = l.ct;
     const u64 r0 = R0 + rt, col = C0 + ct;
-    auto& tab = sh.tab;
-    auto& se_sh = sh.se;
     auto& stage = sh.stage;
     // The tile's |.| maxima as packed words, NaN-propagating: cm[p] columns 2p, 2p + 1
     // over the lane's rows, then over the pair xor 8; rm[q] rows 2q, 2q + 1 over the
@@ -520,8 +518,9 @@ __device__ __forceinline__ void both_tile(const BothTile<T>& d, const BothLane& 
         rm[p] = hmax2w<T, true>(rm[p], __shfl_xor_sync(0xFFFFFFFFu, rm[p], 1));
     }
     __syncthreads();
-    // One lane of each pair stages a block's scale byte: the even one rows 0-3 /
-    // columns 0-3, the odd one the rest.
+    // For the general path: one lane of each pair stages a block's scale byte, the even
+    // one rows 0-3 / columns 0-3, the odd one the rest (the fast path's `scales` below
+    // stages the same bytes from the same lanes).
     auto put_row = [&](int i, uint8_t e) {
         if ((i >> 2) == (cg & 1)) stage.row[rt + i][ct / 16] = e;
     };
@@ -535,14 +534,14 @@ __device__ __forceinline__ void both_tile(const BothTile<T>& d, const BothLane& 
     // encode scales for the other half's with its partner (lane xor `pair`).
     bool fast = true;
     auto scales = [&](const uint32_t* mx, int o, int h, int pair, float* gs, uint8_t* st, int st_step) {
-        const float sc = __fmul_rn(se_sh[o], 0.16666667163372040f);
+        const float sc = __fmul_rn(sh.se[o], 0.16666667163372040f);
         const uint32_t mine[2] = {h ? mx[2] : mx[0], h ? mx[3] : mx[1]};
         float g4[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const float b = j % 2 ? hi_f32<T>(mine[j / 2]) : lo_f32<T>(mine[j / 2]);
             const uint32_t e = fp8<true>(__fmul_rn(b, sc));
-            const float2 t = tab[o][e];
+            const float2 t = sh.tab[o][e];
             fast = fast && b <= t.y;
             g4[j] = t.x;
             st[j * st_step] = (uint8_t)e;
