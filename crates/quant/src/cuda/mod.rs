@@ -1,5 +1,12 @@
 //! The CUDA paths of the quantizers (feature `cuda`): the same bytes as the CPU
 //! reference, computed on the device, with no round trip through the host.
+//!
+//! Quantizers whose scale depends on the whole tensor (FP8 current scaling, NVFP4's
+//! global amax) run two passes: an amax pass into a device scalar, then the quantizing
+//! kernel, which reads that scalar and computes its scales itself (no launch between the
+//! two) and takes its tiles last first, so that it starts on the lines the amax pass
+//! read last and L2 still holds (`cta_order` in kernels/common.cuh). An amax reduction
+//! across ranks is the one step that reads the amax back to the host.
 
 pub(crate) mod block;
 pub(crate) mod fp8;
