@@ -211,6 +211,7 @@ static void run_shape(u64 M, u64 K, int normal) {
                 both_run(both_var<2>, "both warp 32x64, 2 CTAs/SM");
                 both_run(tessera_nvfp4_both_bf16, "both shipped (NVFP4_BOTH_MINB CTAs/SM)");
                 both_run(both_var<4>, "both warp 32x64, 4 CTAs/SM");
+                both_run(both_var<5>, "both warp 32x64, 5 CTAs/SM");
                 // Persistent, cp.async-pipelined: resident CTAs only, 64 KiB of
                 // dynamic shared memory each.
                 const int pipe_smem = 2 * 8 * 256 * 16;
