@@ -28,6 +28,12 @@ __global__ void __launch_bounds__(256, MINB) both_var(const __nv_bfloat16* __res
     nvfp4_both_impl<__nv_bfloat16>(x, a);
 }
 
+// The general kernel (every option) for MINB CTAs per SM; it ships with 5.
+template <int MINB>
+__global__ void __launch_bounds__(256, MINB) general_var(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
+    nvfp4_impl<__nv_bfloat16>(x, a);
+}
+
 // ---- the both kernel, persistent and pipelined (an experiment; slower on the H200) --------
 //
 // A grid of resident CTAs walks the tiles in banded order (tile t, t + gridDim.x, ...),
@@ -273,6 +279,17 @@ static void run_shape(u64 M, u64 K, int normal) {
                     "general kernel, rht + sr, both", t_gen, bytes / t_gen / 1e6, bytes / t_gen / 1e6 / copy_gbs,
                     (unsigned long long)fnv(q, n / 2), (unsigned long long)fnv(sr, n / 16),
                     (unsigned long long)fnv(qt, n / 2), (unsigned long long)fnv(sc, n / 16));
+        auto gen = [&](auto kernel, const char* label) {
+            clear();
+            const float t = time_ms([&] { kernel<<<((M + 63) / 64) * ((K + 63) / 64), 256>>>(x, a); });
+            std::printf("%-40s %8.4f ms %8.1f GB/s %6.3f of copy  hash %016llx %016llx %016llx %016llx\n", label, t,
+                        bytes / t / 1e6, bytes / t / 1e6 / copy_gbs, (unsigned long long)fnv(q, n / 2),
+                        (unsigned long long)fnv(sr, n / 16), (unsigned long long)fnv(qt, n / 2),
+                        (unsigned long long)fnv(sc, n / 16));
+        };
+        gen(general_var<3>, "general kernel, rht + sr, 3 CTAs/SM");
+        gen(general_var<4>, "general kernel, rht + sr, 4 CTAs/SM");
+        gen(general_var<6>, "general kernel, rht + sr, 6 CTAs/SM");
         CK(cudaFree(amax_rht));
     }
     CK(cudaFree(x));
