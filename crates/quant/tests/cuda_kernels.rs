@@ -385,20 +385,7 @@ fn plain(shape: &[usize], dtype: DType, seed: u64, mag: f32) -> Tensor {
     let mut v = vec![0f32; n];
     Generator::new(seed).fill_normal(&mut v, 0.0, 1.0);
     let v: Vec<f32> = v.iter().map(|&x| x * mag).collect();
-    match dtype {
-        DType::F32 => Tensor::from_slice(&v, shape, Device::Cpu),
-        DType::BF16 => Tensor::from_slice(
-            &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
-            shape,
-            Device::Cpu,
-        ),
-        _ => Tensor::from_slice(
-            &v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
-            shape,
-            Device::Cpu,
-        ),
-    }
-    .unwrap()
+    tensor_of(&v, shape, dtype)
 }
 
 /// The history and scale of two delayed-scaling quantizers, bit for bit (NaN included),

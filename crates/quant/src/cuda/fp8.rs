@@ -1,10 +1,12 @@
 //! Per-tensor FP8 on the device.
 
-use cudarc::driver::{DevicePtr, DeviceRepr, PushKernelArg};
+use cudarc::driver::{DeviceRepr, PushKernelArg};
 use tessera_core::cuda::{CudaDevice, grid_1d};
 use tessera_core::{DType, Error, Result, Shape, Tensor};
 
-use super::{BLOCK, FP8_PTX, device_of, dtype_suffix, format_suffix, launch, tile_grid};
+use super::{
+    BLOCK, FP8_PTX, device_addr, device_of, dtype_suffix, format_suffix, launch, tile_grid,
+};
 use crate::values::check_input;
 use crate::{BufferName, Fp8Format, QuantizedTensor};
 
@@ -64,13 +66,9 @@ unsafe impl DeviceRepr for Fp8Scale {}
 
 impl ScaleFrom<'_> {
     fn arg(&self, dev: &CudaDevice, format: Fp8Format) -> Result<Fp8Scale> {
-        let addr = |t: &Tensor| -> Result<u64> {
-            let (p, _sync) = t.cuda_slice()?.device_ptr(dev.stream());
-            Ok(p)
-        };
         Ok(match *self {
             ScaleFrom::Scale(s) => Fp8Scale {
-                scale: addr(s)?,
+                scale: device_addr(dev, s)?,
                 amax: 0,
                 fp8_max: format.max(),
                 eps: 0.0,
@@ -79,7 +77,7 @@ impl ScaleFrom<'_> {
             },
             ScaleFrom::Amax { amax, pow2, eps } => Fp8Scale {
                 scale: 0,
-                amax: addr(amax)?,
+                amax: device_addr(dev, amax)?,
                 fp8_max: format.max(),
                 eps,
                 pow2: i32::from(pow2),

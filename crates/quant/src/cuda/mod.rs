@@ -264,6 +264,14 @@ pub(crate) fn banded_grid(op: &'static str, m: usize, k: usize, t: usize) -> Res
 /// log2 of the most tile rows in a band (`TQ_BAND_ROWS_LOG2` in kernels/common.cuh).
 const BAND_ROWS_LOG2: u32 = 3;
 
+/// The device address of a CUDA tensor's storage, for kernel arguments passed inside a
+/// by-value struct.
+pub(crate) fn device_addr(dev: &CudaDevice, t: &Tensor) -> Result<u64> {
+    use cudarc::driver::DevicePtr;
+    let (p, _sync) = t.cuda_slice()?.device_ptr(dev.stream());
+    Ok(p)
+}
+
 /// The device handle of a CUDA tensor.
 pub(crate) fn device_of(t: &Tensor) -> Result<std::sync::Arc<CudaDevice>> {
     Ok(t.cuda_device()?.clone())

@@ -2,12 +2,14 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use tessera_core::cuda::{CudaDevice, grid_1d};
 use tessera_core::{DType, Device, Error, Result, Tensor};
 use tessera_rng::Generator;
 
-use super::{BLOCK, NVFP4_PTX, Outputs, banded_grid, device_of, dtype_suffix, launch, tile_grid};
+use super::{
+    BLOCK, NVFP4_PTX, Outputs, banded_grid, device_addr, device_of, dtype_suffix, launch, tile_grid,
+};
 use crate::values::check_input;
 use crate::{AmaxReduction, BufferName, QuantizedTensor};
 
@@ -41,12 +43,6 @@ struct Nvfp4Args {
 // SAFETY: a #[repr(C)] struct of integers laid out exactly as the kernel's `Nvfp4Args`
 // (all fields naturally aligned, no padding), passed by value.
 unsafe impl DeviceRepr for Nvfp4Args {}
-
-/// The device address of a CUDA tensor's storage.
-fn addr(dev: &CudaDevice, t: &Tensor) -> Result<u64> {
-    let (p, _sync) = t.cuda_slice()?.device_ptr(dev.stream());
-    Ok(p)
-}
 
 /// A global amax on the device: `max |x|` (of the RHT-transformed columnwise operand
 /// when `rht`), all-reduced through `reduction` when given (which reads it back).
@@ -124,13 +120,13 @@ pub(crate) fn quantize_into(
     }
     let o = Outputs::take(&dev, out, OP, [[m, k / 16], [k, m / 16]])?;
     let (q_row, s_row, q_col, s_col) = (&o.q_row, &o.s_row, &o.q_col, &o.s_col);
-    let p = |t: &Option<Tensor>| t.as_ref().map_or(Ok(0), |t| addr(&dev, t));
+    let p = |t: &Option<Tensor>| t.as_ref().map_or(Ok(0), |t| device_addr(&dev, t));
     let cols = |t: &Option<Tensor>| t.as_ref().map_or(0, |t| t.shape().dims()[1] as u64);
     let args = Nvfp4Args {
         m: m as u64,
         k: k as u64,
-        amax_row: addr(&dev, &a_row)?,
-        amax_col: addr(&dev, &a_col)?,
+        amax_row: device_addr(&dev, &a_row)?,
+        amax_col: device_addr(&dev, &a_col)?,
         q_row: p(q_row)?,
         s_row: p(s_row)?,
         s_row_cols: cols(s_row),
