@@ -6,17 +6,16 @@
 // emulated explicitly). Also the both kernel's fast-path encoder (e2m1_biased_fast: no
 // saturation term, the minimum taken on the bits as unsigned integers) against the same
 // reference's magnitude on every float with |y| < 7, the only inputs it is given. And the
-// stochastic-rounding code (e2m1_sr: the least of floor(2t), floor(t) + 2, floor(t/2) + 4
-// and 7, each a float32 operation rounding toward -inf onto 2^23) against its definition,
-// code(min(floor(t / step(t)) * step(t), 6)), on every float t >= 0 (+Inf included; t
-// cannot be NaN). And the whole stochastic-rounding encoder (its uniform from the byte's
-// bits, 2 step(|x|) from the exponent bits, no NaN branch) against the previous one
-// (division by the step, NaN branch) on every float x, each with a byte taken from a
-// hash of x. Build and run:
+// stochastic-rounding code (e2m1_sr_magnitude: bits 22 and up of t * 2^-126 rounded
+// toward zero, at most 7) against its definition, code(min(floor(t / step(t)) * step(t),
+// 6)), on every float t >= 0 (+Inf included; t cannot be NaN). And the whole
+// stochastic-rounding encoder (its uniform from the byte's bits, 2 step(|x|) from the
+// exponent bits, no NaN branch) against the definition's (division by the step, NaN
+// branch) on every float x, each with a byte taken from a hash of x. Build and run:
 //   g++ -O2 -frounding-math -fopenmp bench/cuda/e2m1_check.cpp -o e2m1 && ./e2m1
-// Output of 2026-12-03: "mismatches 0", "fast-path mismatches 0 of 2176843776" and
-// "stochastic-rounding mismatches 0 of 2139095041" and "stochastic-rounding encoder
-// mismatches 0 of 4294967296".
+// Output of 2026-12-03 (the truncating form of the code, evening): "mismatches 0",
+// "fast-path mismatches 0 of 2176843776", "stochastic-rounding mismatches 0 of
+// 2139095041" and "stochastic-rounding encoder mismatches 0 of 4294967296".
 #include <cfenv>
 #include <cstdint>
 #include <cstring>
@@ -61,17 +60,14 @@ static inline uint32_t sr_reference(float t){
   const float v = std::min(std::floor(t / s) * s, 6.0f);
   return old_e2m1(v) & 7u;
 }
-// The kernel's form; the caller has set the rounding mode to toward -inf. All three
-// are fmaf calls (the add as t * 1 + c), which honour the dynamic rounding mode: GCC
-// may evaluate a plain + before the fesetround that precedes it.
+// The kernel's form (e2m1_sr_magnitude): t * 2^-126 rounded toward zero, bits 22 up,
+// at most 7; the caller has set the rounding mode to toward zero (subnormal results
+// kept: no flush to zero here, as on the GPU without -ftz).
 static inline uint32_t sr_kernel(float t){
-  const float K0 = 8388608.0f;
-  const uint32_t f0 = B(std::fmaf(t, 2.0f, K0));
-  const uint32_t f1 = B(std::fmaf(t, 1.0f, K0 + 2.0f));
-  const uint32_t f2 = B(std::fmaf(t, 0.5f, K0 + 4.0f));
-  return std::min(std::min(f0, f1), std::min(f2, B(K0 + 7.0f))) - B(K0);
+  volatile float p = t * 1.17549435082228751e-38f;
+  return std::min(B(p) >> 22, 7u);
 }
-// The previous kernel's encoder (x, byte r8), in round to nearest.
+// The definition's encoder (x, byte r8; nvfp4.rs), in round to nearest.
 static inline uint32_t sr_encoder_before(float x, uint32_t r8){
   if (std::isnan(x)) return 7u;
   const float a = std::fabs(x);
@@ -80,22 +76,19 @@ static inline uint32_t sr_encoder_before(float x, uint32_t r8){
   const float v = std::min(std::floor(t / s) * s, 6.0f);
   return (std::signbit(x) ? 8u : 0u) | (old_e2m1(v) & 7u);
 }
-// The kernel's encoder: h = r8 / 512 from the bits, 2 step from the exponent, t in round
-// to nearest; the lines in round toward -inf (volatile keeps each side of fesetround).
+// The kernel's encoder: h = r8 / 512 from the bits, 2 step from the exponent (at least
+// 1, unclamped above), t in round to nearest; the product in round toward zero
+// (volatile keeps each side of fesetround).
 static inline uint32_t sr_encoder_now(float x, uint32_t r8){
   const float h = F(0x46800000u | r8) - 16384.0f;
-  const float step2 = F(std::min(std::max(B(x) & 0x7F800000u, 0x3F800000u), 0x40800000u));
+  const float step2 = F(std::max(B(x) & 0x7F800000u, 0x3F800000u));
   volatile float vt = std::fmaf(h, step2, std::fabs(x));
-  std::fesetround(FE_DOWNWARD);
-  const float t = vt;
-  const float K0 = 8388608.0f;
-  const uint32_t f0 = B(std::fmaf(t, 2.0f, K0));
-  const uint32_t f1 = B(std::fmaf(t, 1.0f, K0 + 2.0f));
-  const uint32_t f2 = B(std::fmaf(t, 0.5f, K0 + 4.0f));
-  volatile uint32_t m = std::min(std::min(f0, f1), std::min(f2, B(K0 + 7.0f)));
+  std::fesetround(FE_TOWARDZERO);
+  volatile float p = vt * 1.17549435082228751e-38f;
   std::fesetround(FE_TONEAREST);
+  const uint32_t m = std::min(B(p) >> 22, 7u);
   const bool neg = (int32_t)B(x) <= (int32_t)0xFF800000u;
-  return (m - B(K0)) | (neg ? 8u : 0u);
+  return m | (neg ? 8u : 0u);
 }
 int main(){
   unsigned long long bad=0; uint32_t first=0;
@@ -121,7 +114,7 @@ int main(){
     for(long long i=0;i<=0x7F800000LL;++i){
       const float t=F((uint32_t)i);
       const uint32_t want=sr_reference(t);
-      std::fesetround(FE_DOWNWARD);
+      std::fesetround(FE_TOWARDZERO);
       const uint32_t got=sr_kernel(t);
       std::fesetround(FE_TONEAREST);
       sn++;

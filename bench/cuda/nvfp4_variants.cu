@@ -28,6 +28,13 @@ __global__ void __launch_bounds__(256, MINB) both_var(const __nv_bfloat16* __res
     nvfp4_both_impl<__nv_bfloat16>(x, a);
 }
 
+// The RHT + stochastic-rounding both kernel for MINB CTAs per SM (it ships with
+// NVFP4_RS_MINB).
+template <int MINB>
+__global__ void __launch_bounds__(256, MINB) rs_var(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
+    nvfp4_both_impl<__nv_bfloat16, true, true>(x, a);
+}
+
 // The general kernel (every option) for MINB CTAs per SM; it ships with 5.
 template <int MINB>
 __global__ void __launch_bounds__(256, MINB) general_var(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
@@ -253,21 +260,23 @@ static void run_shape(u64 M, u64 K, int normal) {
             }
         }
     }
-    // The RHT + stochastic-rounding recipe's parts: the RHT amax pass (grid as the
-    // library's grid_1d: 4 waves of 8 CTAs per SM at most) and the general kernel with
-    // both usages.
+    // The RHT + stochastic-rounding recipe's parts: the RHT amax pass (both amaxes; grid
+    // as the library's grid_1d: 4 waves of 8 CTAs per SM at most), the general kernel
+    // and the RHT / SR both kernels with both usages (all must hash alike), and the
+    // quantizer's sequence.
     {
-        float* amax_rht;
-        CK(cudaMalloc(&amax_rht, 4));
+        float* amax_rht;  // [0] rowwise, [1] columnwise (transformed)
+        CK(cudaMalloc(&amax_rht, 8));
         const u64 cols = 8;  // RHT_AMAX_COLS for 2-byte types
         const unsigned g_rht = (unsigned)std::min<u64>((M / 16) * (K / cols) / 256 + 1, 4ull * 132 * 8);
         const float t_rht = time_ms([&] {
-            CK(cudaMemsetAsync(amax_rht, 0, 4));
-            tessera_nvfp4_rht_amax_bf16<<<g_rht, 256>>>(x, M, K, amax_rht);
+            CK(cudaMemsetAsync(amax_rht, 0, 8));
+            tessera_nvfp4_rht_amax_bf16<<<g_rht, 256>>>(x, M, K, amax_rht, amax_rht + 1);
         });
         std::printf("%-40s %8.4f ms %8.1f GB/s %6.3f of copy\n", "rht amax (memset + kernel)", t_rht,
                     2.0 * n / t_rht / 1e6, 2.0 * n / t_rht / 1e6 / copy_gbs);
-        Nvfp4Args a = args(amax_rht, true);
+        Nvfp4Args a = args(amax_rht + 1, true);
+        a.amax_row = amax_rht;
         a.rht = 1;
         a.sr = 1;
         a.seed = 3;
@@ -287,9 +296,37 @@ static void run_shape(u64 M, u64 K, int normal) {
                         (unsigned long long)fnv(sr, n / 16), (unsigned long long)fnv(qt, n / 2),
                         (unsigned long long)fnv(sc, n / 16));
         };
-        gen(general_var<3>, "general kernel, rht + sr, 3 CTAs/SM");
-        gen(general_var<4>, "general kernel, rht + sr, 4 CTAs/SM");
-        gen(general_var<6>, "general kernel, rht + sr, 6 CTAs/SM");
+        const u64 gx = (M + 127) / 128, gy = (K + 127) / 128;
+        u64 hb = 1;
+        while (hb < gx && hb < (1u << TQ_BAND_ROWS_LOG2)) hb *= 2;
+        const dim3 grid((unsigned)(hb * gy), (unsigned)((gx + hb - 1) / hb));
+        auto rs = [&](auto kernel, const char* label) {
+            clear();
+            const float t = time_ms([&] { kernel<<<grid, 256>>>(x, a); });
+            std::printf("%-40s %8.4f ms %8.1f GB/s %6.3f of copy  hash %016llx %016llx %016llx %016llx\n", label, t,
+                        bytes / t / 1e6, bytes / t / 1e6 / copy_gbs, (unsigned long long)fnv(q, n / 2),
+                        (unsigned long long)fnv(sr, n / 16), (unsigned long long)fnv(qt, n / 2),
+                        (unsigned long long)fnv(sc, n / 16));
+        };
+        rs(tessera_nvfp4_both_rht_sr_bf16, "both rht + sr (NVFP4_RS_MINB CTAs/SM)");
+        rs(rs_var<2>, "both rht + sr, 2 CTAs/SM");
+        rs(rs_var<4>, "both rht + sr, 4 CTAs/SM");
+        {
+            const float tp = time_ms([&] {
+                CK(cudaMemsetAsync(amax_rht, 0, 8));
+                tessera_nvfp4_rht_amax_bf16<<<g_rht, 256>>>(x, M, K, amax_rht, amax_rht + 1);
+                tessera_nvfp4_both_rht_sr_bf16<<<grid, 256>>>(x, a);
+            });
+            std::printf("%-40s %8.4f ms  %6.3f of two-pass floor\n", "pipeline: rht amax + both rht + sr", tp,
+                        (in + in + 2 * ob) / copy_gbs / 1e6 / tp);
+        }
+        a.sr = 0;
+        gen(tessera_nvfp4_bf16, "general kernel, rht, both");
+        rs(tessera_nvfp4_both_rht_bf16, "both rht (round to nearest)");
+        a.sr = 1;
+        a.rht = 0;
+        gen(tessera_nvfp4_bf16, "general kernel, sr, both");
+        rs(tessera_nvfp4_both_sr_bf16, "both sr (no rht)");
         CK(cudaFree(amax_rht));
     }
     CK(cudaFree(x));

@@ -186,6 +186,14 @@ fn main() -> Result<()> {
                 true,
             )?;
         }
+        // TE's NVFP4 recipes: inputs with the RHT (round to nearest), gradients with
+        // the RHT and stochastic rounding.
+        b.quantizer(
+            &x,
+            "nvfp4 both, rht",
+            &mut Nvfp4Quantizer::new().with_rht(true),
+            true,
+        )?;
         b.quantizer(
             &x,
             "nvfp4 both, rht + sr",

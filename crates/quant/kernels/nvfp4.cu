@@ -90,25 +90,27 @@ __device__ __forceinline__ uint32_t e2m1x8(const float* v, float g) {
     return w - 0x4B000000u * 0x11111111u;
 }
 
-// Stochastic rounding with 8 random bits r8, given as h = r8 / 512 (spec/formats.md 2.4;
-// nvfp4.rs): t = |x| + (r8 / 256) * step(|x|), step 0.5 below 2, 1 below 4, else 2, then
-// the code of min(floor(t / step(t)) * step(t), 6).
-// - 2 step(a) is a's exponent clamped to [1, 4] (integer min/max on the bits; NaN and
-//   Inf take 4), and h * 2 step(a) is exact, so t is one fma.
-// - The code is the least of floor(2t), floor(t) + 2, floor(t / 2) + 4 and 7:
-//   e2m1_biased's three grids rounded toward -inf instead of to nearest (checked against
-//   the definition on every t >= 0: bench/cuda/e2m1_check.cpp).
-// - No branch for NaN: its lines are NaN, whose bits exceed 7's, so the code is 7 (+6),
-//   and e2m1_negative gives it no sign.
-__device__ __forceinline__ uint32_t e2m1_sr(float x, float h) {
-    const float step2 = __uint_as_float(min(max(__float_as_uint(x) & 0x7F800000u, 0x3F800000u), 0x40800000u));
+// The magnitude code of x with stochastic rounding, 8 random bits r8 given as h = r8 / 512
+// (spec/formats.md 2.4; nvfp4.rs): t = |x| + (r8 / 256) * step(|x|), step 0.5 below 2, 1
+// below 4, else 2, then the code of min(floor(t / step(t)) * step(t), 6).
+// - 2 step(|x|) is |x|'s exponent, at least 1 (an integer max on the bits). Above 4 it is
+//   left unclamped: there |x| >= 8, so t >= 8 codes 7 whatever the step (Inf and NaN
+//   steps make t Inf or NaN, which code 7 too). h * 2 step is exact, so t is one fma.
+// - floor onto the E2M1 grid is truncation to E2M1's precision: t * 2^-126 rounded
+//   toward zero has the code in its bits 22 and up (E2M1 values times 2^-126 are float32
+//   values with the code's exponent and mantissa bit; below 1 the product is subnormal,
+//   its bits floor(t * 2^23)), and min(., 7) saturates (NaN's and Inf's bits give more).
+// Checked against the definition on every t >= 0, and as a whole encoder against the
+// CPU's on every float x (bench/cuda/e2m1_check.cpp).
+__device__ __forceinline__ uint32_t e2m1_sr_magnitude(float x, float h) {
+    const float step2 = __uint_as_float(max(__float_as_uint(x) & 0x7F800000u, 0x3F800000u));
     const float t = __fmaf_rn(h, step2, fabsf(x));
-    const float k = 8388608.0f;  // 2^23
-    const uint32_t f0 = __float_as_uint(__fmaf_rd(t, 2.0f, k));
-    const uint32_t f1 = __float_as_uint(__fadd_rd(t, k + 2.0f));
-    const uint32_t f2 = __float_as_uint(__fmaf_rd(t, 0.5f, k + 4.0f));
-    const uint32_t m = min(min(f0, f1), min(f2, __float_as_uint(k + 7.0f)));  // t >= 0 or NaN
-    return (m - 0x4B000000u) | (e2m1_negative(x) ? 8u : 0u);
+    return min(__float_as_uint(__fmul_rz(t, 1.17549435082228751e-38f)) >> 22, 7u);  // 2^-126
+}
+
+// Stochastic rounding of x (e2m1_sr_magnitude), with e2m1_negative's sign.
+__device__ __forceinline__ uint32_t e2m1_sr(float x, float h) {
+    return e2m1_sr_magnitude(x, h) | (e2m1_negative(x) ? 8u : 0u);
 }
 
 // The value of an E2M1 code, exactly: the code's bits placed at float32 bit 22 read as a
@@ -150,50 +152,61 @@ __device__ __forceinline__ float block_encode_scale(uint8_t e, float s_dec) {
 constexpr uint32_t RHT_NEGATIVE = 0xD7E8u;
 __device__ __forceinline__ float rht_sign(int t) { return (RHT_NEGATIVE >> t) & 1u ? -1.0f : 1.0f; }
 
-__device__ __forceinline__ float hadamard(int t, int j) { return (__popc(t & j) & 1) ? -0.25f : 0.25f; }
-
-// y_j = sum_t v_t * s_t * H[t][j] / 4, accumulated in index order from +0. With
-// `Exact` (values of a 2-byte type: 11 significant bits at most and no exponent below
-// 2^-133) every product v_t * (+-1/4) is exact, so one fma per term gives the same sums
-// as a multiply and an add; f32 values (whose subnormal products would round) take both.
-template <bool Exact> __device__ __forceinline__ void rht16(const float* v, float* y) {
+// The unnormalised Walsh-Hadamard transform of u in place (nvfp4.rs: fwht16): butterflies
+// (u_i, u_i+h) -> (u_i + u_i+h, u_i - u_i+h) in stages h = 1, 2, 4, 8 (from h = First).
+template <int First = 1> __device__ __forceinline__ void fwht16(float* u) {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        float acc = 0.0f;
+    for (int h = First; h < 16; h *= 2)
 #pragma unroll
-        for (int t = 0; t < 16; ++t) {
-            const float c = rht_sign(t) * hadamard(t, j);
-            acc = Exact ? __fmaf_rn(v[t], c, acc) : __fadd_rn(acc, __fmul_rn(v[t], c));
-        }
-        y[j] = acc;
-    }
+        for (int i = 0; i < 16; ++i)
+            if ((i & h) == 0) {
+                const float a = u[i], b = u[i + h];
+                u[i] = __fadd_rn(a, b);
+                u[i + h] = __fsub_rn(a, b);
+            }
 }
 
+// y = v (diag(s) H) / 4 (nvfp4.rs: rht16): u_t = v_t * (s_t / 4), then the butterflies.
+// v and y may be the same array.
+__device__ __forceinline__ void rht16(const float* v, float* y) {
+#pragma unroll
+    for (int t = 0; t < 16; ++t) y[t] = __fmul_rn(v[t], 0.25f * rht_sign(t));
+    fwht16(y);
+}
+
+// v = y (H diag(s)) / 4 (nvfp4.rs: inverse_rht16): u_j = y_j / 4, the butterflies, then
+// v_t = u_t * s_t.
 __device__ __forceinline__ void inverse_rht16(const float* y, float* v) {
 #pragma unroll
-    for (int t = 0; t < 16; ++t) {
-        float acc = 0.0f;
+    for (int j = 0; j < 16; ++j) v[j] = __fmul_rn(y[j], 0.25f);
+    fwht16(v);
 #pragma unroll
-        for (int j = 0; j < 16; ++j) acc = __fadd_rn(acc, __fmul_rn(y[j], hadamard(t, j)));
-        v[t] = __fmul_rn(acc, rht_sign(t));
-    }
+    for (int t = 0; t < 16; ++t) v[t] = __fmul_rn(v[t], rht_sign(t));
 }
 
-// NaN-ignoring amax of the RHT-transformed columnwise operand: thread per (group of
-// RHT_AMAX_COLS<T> columns, run of 16 rows); 2-byte types read 8 columns as one 16-byte
-// vector per row (k is a multiple of 16). out must start at 0.
+// Packed |.| of a raw word of 2-byte T.
+template <class T> __device__ __forceinline__ uint32_t habs2w(uint32_t a) {
+    const auto r = abs2<T>(a);
+    return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// Both global amaxes of an RHT quantization in one read: NaN-ignoring max |x| into
+// row[0] and max |RHT(x^T)| (the transformed columnwise operand) into col[0], both
+// starting at 0. Thread per (group of RHT_AMAX_COLS<T> columns, run of 16 rows); 2-byte
+// types read 8 columns as one 16-byte vector per row (k is a multiple of 16).
 template <class T> constexpr int RHT_AMAX_COLS = sizeof(T) == 2 ? 8 : 1;
 template <class T>
-__device__ void rht_amax_impl(const T* __restrict__ x, u64 m, u64 k, float* out) {
+__device__ void rht_amax_impl(const T* __restrict__ x, u64 m, u64 k, float* row, float* col) {
     __shared__ float smem[32];
     constexpr int C = RHT_AMAX_COLS<T>;
     const u64 groups = k / C, runs = (m / 16) * groups;
-    float mx = 0.0f;
+    float mx = 0.0f, mr = 0.0f;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < runs; i += stride) {
         const u64 c = (i % groups) * C, run = i / groups;
         union {
             uint4 u;
+            uint32_t w[4];
             T e[16 / sizeof(T)];
         } raw[16];
 #pragma unroll
@@ -202,18 +215,33 @@ __device__ void rht_amax_impl(const T* __restrict__ x, u64 m, u64 k, float* out)
             if constexpr (C == 8) raw[t].u = *reinterpret_cast<const uint4*>(p);
             else raw[t].e[0] = *p;
         }
+        if constexpr (C == 8) {
+            uint32_t h[4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                h[p] = habs2w<T>(raw[0].w[p]);
+#pragma unroll
+                for (int t = 1; t < 16; ++t) h[p] = hmax2w<T>(h[p], habs2w<T>(raw[t].w[p]));
+            }
+            mr = fmaxf(mr, amax_of<T, 8>(h));
+        }
 #pragma unroll
         for (int j = 0; j < C; ++j) {
-            float v[16], y[16];
+            float y[16];
 #pragma unroll
-            for (int t = 0; t < 16; ++t) v[t] = In<T>::f32(raw[t].e[j]);
-            rht16<sizeof(T) == 2>(v, y);
+            for (int t = 0; t < 16; ++t) y[t] = In<T>::f32(raw[t].e[j]);
+            if constexpr (C == 1)
+#pragma unroll
+                for (int t = 0; t < 16; ++t) mr = fmaxf(mr, fabsf(y[t]));
+            rht16(y, y);
 #pragma unroll
             for (int t = 0; t < 16; ++t) mx = fmaxf(mx, fabsf(y[t]));
         }
     }
     mx = block_max(mx, smem);
-    if (threadIdx.x == 0) atomic_max_nonneg(out, mx);
+    if (threadIdx.x == 0) atomic_max_nonneg(col, mx);
+    mr = block_max(mr, smem);  // (block_max synchronises before it reuses smem)
+    if (threadIdx.x == 0) atomic_max_nonneg(row, mr);
 }
 
 // ---- quantize ---------------------------------------------------------------------------
@@ -417,12 +445,6 @@ __device__ __forceinline__ float2 block_table_entry(uint32_t e, float s_dec) {
     return make_float2(g, e >= 0x7Fu ? -1.0f : fminf(__fmul_rn(6.5f, d), 3.402823466e38f));
 }
 
-// Packed |.| of a raw word of 2-byte T.
-template <class T> __device__ __forceinline__ uint32_t habs2w(uint32_t a) {
-    const auto r = abs2<T>(a);
-    return *reinterpret_cast<const uint32_t*>(&r);
-}
-
 // Scale bytes of a 128x128 CTA tile, staged so that they leave as 4-byte words: row block
 // (r, jb) at row[r][jb] (128 rows x 8 blocks), column block (c, ib) at col[c][ib] (128
 // columns x 8 blocks of 16 rows). A word holds 4 consecutive blocks of one row of a
@@ -597,7 +619,197 @@ __device__ __forceinline__ void both_tile(const BothTile<T>& d, const BothLane& 
     flush_both_scales(stage, a, R0, C0);
 }
 
-template <class T>
+// ---- 1-D blocks with the RHT and/or stochastic rounding (2-byte inputs) ------------------
+//
+// The recipes of gradients (RHT on the columnwise operand, stochastic rounding) and of
+// inputs (RHT, round to nearest) on the both kernel's tiles, lanes, loads and staged
+// scale bytes. There is no fast path to leave: every block is taken as it comes. Block
+// amaxes ignore NaN (as the CPU's do), the encoders saturate, and a NaN product codes 7
+// (+6): NaN results of the GPU's float arithmetic are canonical (0x7FFFFFFF), so a
+// product's sign bit is its code's sign for every value, -0 and NaN included.
+//
+// Columnwise, the two lanes of a pair (xor 8) hold 8 rows each of the same 8 columns.
+// They trade raw words so that each holds all 16 rows of 4 columns (the even lane columns
+// 0-3, the odd one 4-7): a column block's RHT, amax, scale and random bits are then the
+// lane's own. Rowwise, a 1x16 block spans a pair (xor 1) as in the both kernel; each lane
+// draws the Philox block of 4 of the pair's 8 row blocks and trades the partner's half.
+
+// The sign nibbles of 8 floats: bit 4j + 3 is the sign bit of y[j], all others 0 (prmt
+// selector nibble 0xB is byte 3 of the first word with its sign replicated, 0xF byte 3
+// of the second).
+__device__ __forceinline__ uint32_t float_signs(const float* y) {
+    const uint32_t s02 = prmt(__float_as_uint(y[0]), __float_as_uint(y[2]), 0xFBu);
+    const uint32_t s46 = prmt(__float_as_uint(y[4]), __float_as_uint(y[6]), 0xFBu);
+    const uint32_t s13 = prmt(__float_as_uint(y[1]), __float_as_uint(y[3]), 0xFBu);
+    const uint32_t s57 = prmt(__float_as_uint(y[5]), __float_as_uint(y[7]), 0xFBu);
+    return sign_nibbles(prmt(s02, s46, 0x5410u), prmt(s13, s57, 0x5410u));
+}
+
+// 8 products to E2M1 codes, round to nearest, any value: e2m1_biased's minimum taken on
+// the bits as unsigned integers (they order alike from 2^23 up; NaN's and Inf's bits
+// exceed 7's, so both saturate to 7), signs from the products' sign bits.
+__device__ __forceinline__ uint32_t e2m1x8_rn(const float* y) {
+    const float k = 8388608.0f;  // 2^23
+    uint32_t w = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float a = fabsf(y[j]);
+        const uint32_t f0 = __float_as_uint(__fmaf_rn(a, 2.0f, k));
+        const uint32_t f1 = __float_as_uint(__fadd_rn(a, k + 2.0f));
+        const uint32_t f2 = __float_as_uint(__fmaf_rn(a, 0.5f, k + 4.0f));
+        w += min(min(f0, f1), min(f2, 0x4B000007u)) << (4 * j);
+    }
+    return (w - 0x4B000000u * 0x11111111u) | float_signs(y);
+}
+
+// 8 products to E2M1 codes with stochastic rounding (e2m1_sr_magnitude), element j with
+// byte j % 4 of r.x (j < 4) or r.y; signs from the products' sign bits.
+__device__ __forceinline__ uint32_t e2m1x8_sr(const float* y, uint2 r) {
+    uint32_t w = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) w |= e2m1_sr_magnitude(y[j], sr_half_uniform(make_uint4(r.x, r.y, 0u, 0u), j)) << (4 * j);
+    return w | float_signs(y);
+}
+
+// rht16 of values of a 2-byte type in place: their products v_t * (+-1/4) are exact, so
+// the first stage's sum and difference are fmas of one product with the other (the
+// same roundings; 3 operations per pair instead of 4).
+__device__ __forceinline__ void rht16_exact(float* y) {
+#pragma unroll
+    for (int t = 0; t < 16; t += 2) {
+        const float p = __fmul_rn(y[t + 1], 0.25f * rht_sign(t + 1)), c = 0.25f * rht_sign(t);
+        const float s = __fmaf_rn(y[t], c, p), d = __fmaf_rn(y[t], c, -p);
+        y[t] = s;
+        y[t + 1] = d;
+    }
+    fwht16<2>(y);
+}
+
+// Quantizes the 128x128 tile at (R0, C0) of 2-byte inputs with the RHT on the columnwise
+// operand (Rht) and/or stochastic rounding (Sr), the lane's values in d (zeros when
+// !valid), with the tables filled; synchronises the CTA twice (before its first write to
+// sh.stage, and before the flush).
+template <class T, bool Rht, bool Sr>
+__device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
+                                             const Nvfp4Args& a, BothShared& sh) {
+    const int cg = l.cg, g = l.g, rt = l.rt, ct = l.ct;
+    const u64 r0 = R0 + rt, col = C0 + ct;
+    auto& stage = sh.stage;
+    __syncthreads();
+    if (a.q_row != nullptr) {
+        // The pair's 8 NaN-ignoring row block amaxes, rm[q] rows 2q, 2q + 1; lane half h
+        // computes the scales of rows 4h .. 4h + 3 and trades encode scales.
+        uint32_t rm[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            uint32_t mA = habs2w<T>(d.w[2 * q][0]), mB = habs2w<T>(d.w[2 * q + 1][0]);
+#pragma unroll
+            for (int p = 1; p < 4; ++p) {
+                mA = hmax2w<T>(mA, habs2w<T>(d.w[2 * q][p]));
+                mB = hmax2w<T>(mB, habs2w<T>(d.w[2 * q + 1][p]));
+            }
+            rm[q] = hmax2_rows<T>(mA, mB);
+            rm[q] = hmax2w<T>(rm[q], __shfl_xor_sync(0xFFFFFFFFu, rm[q], 1));
+        }
+        const int h = cg & 1;
+        const float s_enc = sh.se[0];
+        float g4[4], rgs[8];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t w = h ? rm[2 + j / 2] : rm[j / 2];
+            const float b = fmaxf(0.0f, j % 2 ? hi_f32<T>(w) : lo_f32<T>(w));
+            const uint8_t e = block_scale(b, s_enc);
+            g4[j] = sh.tab[0][e].x;
+            stage.row[rt + 4 * h + j][ct / 16] = e;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float other = __shfl_xor_sync(0xFFFFFFFFu, g4[j], 1);
+            rgs[j] = h ? other : g4[j];
+            rgs[4 + j] = h ? g4[j] : other;
+        }
+        // The lane's two random words of each row block: elements 8h .. 8h + 7.
+        uint2 rw[8];
+        if constexpr (Sr) {
+            const u64 c16 = col - 8 * h;  // the pair's first column
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const uint4 r = random16(a.seed, a.off_row, (r0 + 4 * h + j) * a.k + c16);
+                const uint2 own = h ? make_uint2(r.z, r.w) : make_uint2(r.x, r.y);
+                const uint2 give = h ? make_uint2(r.x, r.y) : make_uint2(r.z, r.w);
+                const uint2 got = make_uint2(__shfl_xor_sync(0xFFFFFFFFu, give.x, 1),
+                                             __shfl_xor_sync(0xFFFFFFFFu, give.y, 1));
+                rw[j] = h ? got : own;
+                rw[4 + j] = h ? own : got;
+            }
+        }
+        if (valid) {
+            uint8_t* q = a.q_row + r0 * (a.k / 2) + col / 2;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                float y[8];
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    y[2 * p] = __fmul_rn(lo_f32<T>(d.w[i][p]), rgs[i]);
+                    y[2 * p + 1] = __fmul_rn(hi_f32<T>(d.w[i][p]), rgs[i]);
+                }
+                uint32_t code;
+                if constexpr (Sr) code = e2m1x8_sr(y, rw[i]);
+                else code = e2m1x8_rn(y);
+                *reinterpret_cast<uint32_t*>(q + i * (a.k / 2)) = code;
+            }
+        }
+    }
+    if (a.q_col != nullptr) {
+        // Lane half h keeps words 2h, 2h + 1 (columns 4h .. 4h + 3) of its 8 rows and gets
+        // the partner's 8 rows of them: top[i] rows 0-7 of the pair, bot[i] rows 8-15.
+        const int h = g & 1;
+        uint32_t top[8][2], bot[8][2];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+                const uint32_t mine = h ? d.w[i][2 + p] : d.w[i][p];
+                const uint32_t got = __shfl_xor_sync(0xFFFFFFFFu, h ? d.w[i][p] : d.w[i][2 + p], 8);
+                top[i][p] = h ? got : mine;
+                bot[i][p] = h ? mine : got;
+            }
+        const u64 R16 = r0 - 8 * h, c4 = col + 4 * h;  // the block's first row, first column
+        const float s_enc = sh.se[1];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            float y[16];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                y[i] = c % 2 ? hi_f32<T>(top[i][c / 2]) : lo_f32<T>(top[i][c / 2]);
+                y[8 + i] = c % 2 ? hi_f32<T>(bot[i][c / 2]) : lo_f32<T>(bot[i][c / 2]);
+            }
+            if constexpr (Rht) rht16_exact(y);
+            float b = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) b = fmaxf(b, fabsf(y[i]));
+            const uint8_t e = block_scale(b, s_enc);
+            const float gs = sh.tab[1][e].x;
+            stage.col[ct + 4 * h + c][rt / 16] = e;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) y[i] = __fmul_rn(y[i], gs);
+            uint2 out;
+            if constexpr (Sr) {
+                const uint4 r = random16(a.seed, a.off_col, (c4 + c) * a.m + R16);
+                out = make_uint2(e2m1x8_sr(y, make_uint2(r.x, r.y)), e2m1x8_sr(y + 8, make_uint2(r.z, r.w)));
+            } else {
+                out = make_uint2(e2m1x8_rn(y), e2m1x8_rn(y + 8));
+            }
+            if (valid) *reinterpret_cast<uint2*>(a.q_col + (c4 + c) * (a.m / 2) + R16 / 2) = out;
+        }
+    }
+    __syncthreads();
+    flush_both_scales(stage, a, R0, C0);
+}
+
+// The both kernel: round to nearest without the RHT (Rht = Sr = false; f32 inputs too),
+// or, for 2-byte inputs, both_tile_rs's recipes.
+template <class T, bool Rht = false, bool Sr = false>
 __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
     const BothLane l;
     const TileRC tile = tile_banded((uint32_t)((a.m + 127) / 128));
@@ -633,7 +845,8 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
     } else {
         __shared__ BothShared sh;
         both_tables(sh, a);
-        both_tile<T>(d, l, R0, C0, valid, a, sh);
+        if constexpr (Rht || Sr) both_tile_rs<T, Rht, Sr>(d, l, R0, C0, valid, a, sh);
+        else both_tile<T>(d, l, R0, C0, valid, a, sh);
     }
 }
 
@@ -724,7 +937,7 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
     for (int i = 0; i < 16; ++i) w[i] = tile[run * 16 + i][cc];
     if (a.rht) {
         float y[16];
-        rht16<sizeof(T) == 2>(w, y);
+        rht16(w, y);
 #pragma unroll
         for (int i = 0; i < 16; ++i) w[i] = y[i];
     }
@@ -770,8 +983,8 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
         nvfp4_impl<T>(x, a);                                                                     \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_rht_amax_##SUFFIX(           \
-        const T* __restrict__ x, u64 m, u64 k, float* out) {                                     \
-        rht_amax_impl<T>(x, m, k, out);                                                          \
+        const T* __restrict__ x, u64 m, u64 k, float* row, float* col) {                         \
+        rht_amax_impl<T>(x, m, k, row, col);                                                     \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_row_##SUFFIX(                \
         const T* __restrict__ x, u64 m, u64 k, const float* amax, uint8_t* q, uint8_t* s,        \
@@ -786,6 +999,22 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
 NVFP4(f32, float)
 NVFP4(bf16, __nv_bfloat16)
 NVFP4(f16, __half)
+
+// CTAs per SM of the RHT / stochastic-rounding both kernels.
+#ifndef NVFP4_RS_MINB
+#define NVFP4_RS_MINB 3
+#endif
+#define NVFP4_RS(SUFFIX, T, NAME, RHT, SR)                                                      \
+    extern "C" __global__ void __launch_bounds__(256, NVFP4_RS_MINB) tessera_nvfp4_both_##NAME##_##SUFFIX( \
+        const T* __restrict__ x, const Nvfp4Args a) {                                            \
+        nvfp4_both_impl<T, RHT, SR>(x, a);                                                       \
+    }
+#define NVFP4_RS_ALL(SUFFIX, T)                                                                 \
+    NVFP4_RS(SUFFIX, T, rht, true, false)                                                        \
+    NVFP4_RS(SUFFIX, T, sr, false, true)                                                         \
+    NVFP4_RS(SUFFIX, T, rht_sr, true, true)
+NVFP4_RS_ALL(bf16, __nv_bfloat16)
+NVFP4_RS_ALL(f16, __half)
 
 // ---- dequantize -------------------------------------------------------------------------
 

@@ -19,11 +19,15 @@
 //! # Random Hadamard transform
 //!
 //! Each run of 16 consecutive elements `v` of a row of `xᵀ` becomes `y = v·(diag(s)·H₁₆)/4`
-//! with the Sylvester Hadamard matrix `H₁₆` and TE's sign vector `s`, accumulated in
-//! float32 in index order (`y_j = Σ_t v_t·s_t·H[t][j]/4`, each product exact). TE computes
-//! the same sums on tensor cores, whose accumulation order is unspecified, so its bytes
-//! can differ from these in the last bit of a transformed value; tessera's CPU and CUDA
-//! paths agree with each other exactly.
+//! with the Sylvester Hadamard matrix `H₁₆` and TE's sign vector `s`, computed in float32
+//! as a fast Walsh–Hadamard transform ([`rht16`]): `u_t = v_t·(s_t/4)` (exact for 2-byte
+//! inputs), then four butterfly stages `(a, b) → (a + b, a − b)` over the index pairs
+//! `(i, i + h)`, `h = 1, 2, 4, 8`. Each output is 4 roundings deep instead of the 15 of a
+//! running sum, and the transform costs 4 additions per element instead of 16. When a
+//! run's magnitudes span at most 2^12 (most runs) every sum is exact, so any order gives
+//! these bytes; TE computes the sums on tensor cores, whose accumulation order is
+//! unspecified, so its bytes can differ in the last bit of a transformed value of a
+//! wider run. tessera's CPU and CUDA paths agree with each other exactly.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -70,36 +74,33 @@ pub fn block_encode_scale(e4m3: u8, s_dec: f32) -> f32 {
     (1.0 / (decode_e4m3(e4m3) * s_dec)).min(f32::MAX)
 }
 
-/// `y = v·(diag(s)·H₁₆)/4`, accumulated in f32 in index order.
-pub fn rht16(v: &[f32]) -> [f32; 16] {
-    std::array::from_fn(|j| {
-        let mut acc = 0.0f32;
-        for (t, &x) in v.iter().enumerate().take(16) {
-            let h = if (t & j).count_ones() % 2 == 0 {
-                0.25
-            } else {
-                -0.25
-            };
-            acc += x * (RHT_SIGNS[t] * h);
+/// The unnormalised Walsh–Hadamard transform `u·H₁₆` in place: butterflies
+/// `(u_i, u_{i+h}) → (u_i + u_{i+h}, u_i − u_{i+h})` for every `i` with `i & h == 0`, in
+/// stages `h = 1, 2, 4, 8` (the order the CUDA kernels follow).
+fn fwht16(u: &mut [f32; 16]) {
+    for h in [1, 2, 4, 8] {
+        for i in (0..16).filter(|i| i & h == 0) {
+            let (a, b) = (u[i], u[i + h]);
+            u[i] = a + b;
+            u[i + h] = a - b;
         }
-        acc
-    })
+    }
 }
 
-/// The inverse transform `v = y·(H₁₆·diag(s))/4`.
+/// `y = v·(diag(s)·H₁₆)/4` of the first 16 elements of `v`: `u_t = v_t·(s_t/4)`, then the
+/// four butterfly stages (module docs).
+pub fn rht16(v: &[f32]) -> [f32; 16] {
+    let mut u: [f32; 16] = std::array::from_fn(|t| v[t] * (RHT_SIGNS[t] * 0.25));
+    fwht16(&mut u);
+    u
+}
+
+/// The inverse transform `v = y·(H₁₆·diag(s))/4` of the first 16 elements of `y`:
+/// `u_j = y_j/4`, the four butterfly stages, then `v_t = u_t·s_t`.
 pub fn inverse_rht16(y: &[f32]) -> [f32; 16] {
-    std::array::from_fn(|t| {
-        let mut acc = 0.0f32;
-        for (j, &x) in y.iter().enumerate().take(16) {
-            let h = if (t & j).count_ones() % 2 == 0 {
-                0.25
-            } else {
-                -0.25
-            };
-            acc += x * h;
-        }
-        acc * RHT_SIGNS[t]
-    })
+    let mut u: [f32; 16] = std::array::from_fn(|j| y[j] * 0.25);
+    fwht16(&mut u);
+    std::array::from_fn(|t| u[t] * RHT_SIGNS[t])
 }
 
 /// Applies `f` to every run of 16 along the rows of an operand: a row-major f32 result.
@@ -678,6 +679,57 @@ mod tests {
         }
         let n2 = |x: &[f32]| x.iter().map(|v| v * v).sum::<f32>();
         assert!((n2(&v) - n2(&y)).abs() < 1e-3);
+    }
+
+    #[test]
+    fn rht_is_exact_when_a_run_spans_at_most_2_pow_12() {
+        // bf16-precision values (8 significant bits) with exponents within 12 of each
+        // other: every butterfly sum is exact, so each output is the exact transform.
+        let mut g = Generator::new(41);
+        let mut w = vec![0u32; 16 * 64];
+        g.fill_u32(&mut w);
+        for run in w.chunks(16) {
+            let e0 = (run[0] % 200) as i32 - 100;
+            let v: Vec<f32> = run
+                .iter()
+                .map(|&r| {
+                    let m = f64::from(r >> 24) / 128.0 + 1.0; // 1 + 7 bits: 8 significant
+                    let s = if r & 1 == 0 { 1.0 } else { -1.0 };
+                    (s * m * 2f64.powi(e0 + ((r >> 8) % 13) as i32)) as f32
+                })
+                .collect();
+            let y = rht16(&v);
+            for (j, &yj) in y.iter().enumerate() {
+                let exact: f64 = (0..16)
+                    .map(|t| {
+                        let h = if (t & j).count_ones() % 2 == 0 {
+                            0.25
+                        } else {
+                            -0.25
+                        };
+                        f64::from(v[t]) * f64::from(RHT_SIGNS[t]) * h
+                    })
+                    .sum();
+                assert_eq!(yj.to_bits(), (exact as f32).to_bits(), "{v:?} output {j}");
+            }
+            let back = inverse_rht16(&y);
+            assert_eq!(
+                back.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
+        }
+    }
+
+    #[test]
+    fn rht_adds_in_butterfly_order() {
+        // u = v·s/4 = [1, 0, 2^-24, 2^-24, 0, ...]. A running sum rounds 1 + 2^-24 back
+        // to 1 twice; the butterfly adds the two small terms first (stage 1, pair (2, 3))
+        // and gets the exact 1 + 2^-23.
+        let mut v = [0.0f32; 16];
+        v[0] = 4.0;
+        v[2] = 2f32.powi(-22);
+        v[3] = -(2f32.powi(-22));
+        assert_eq!(rht16(&v)[0], 1.0 + 2f32.powi(-23));
     }
 
     #[test]

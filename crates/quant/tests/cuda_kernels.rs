@@ -745,6 +745,41 @@ fn nvfp4_fast_path_matches_the_cpu() {
     }
 }
 
+/// The 1-D kernels of TE's recipes for 2-byte inputs (the RHT on the columnwise operand,
+/// stochastic rounding, both), on inputs of moderate range and, with `odd`, a NaN, an
+/// infinity and a run far below the rest, over several 128x128 tiles and ragged ones.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn nvfp4_rht_and_stochastic_rounding_kernels_match_the_cpu() {
+    require_gpu();
+    let shapes: &[&[usize]] = &[&[272, 1040], &[1024, 768], &[2112, 528], &[16, 4096]];
+    let mut seed = 3900;
+    for &shape in shapes {
+        for dtype in [DType::BF16, DType::F16] {
+            for odd in [false, true] {
+                for (rht, sr) in [(true, false), (false, true), (true, true)] {
+                    for swizzled in [false, true] {
+                        for usage in [Usage::Rowwise, Usage::Columnwise, Usage::Both] {
+                            seed += 1;
+                            let x = tame_input(shape, dtype, seed, odd);
+                            let mut q = Nvfp4Quantizer::new()
+                                .with_rht(rht)
+                                .with_stochastic_rounding(sr.then(|| Generator::new(seed)))
+                                .with_swizzled_scales(swizzled)
+                                .with_usage(usage);
+                            let what = format!(
+                                "nvfp4 {shape:?} {dtype} odd={odd} rht={rht} sr={sr} \
+                                 swizzled={swizzled} {usage:?}"
+                            );
+                            check_quantizer(&mut q, &x, &what);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn stochastic_rounding_advances_the_generator_like_the_cpu() {

@@ -558,7 +558,7 @@ fn check_nvfp4(x: &[f32], qt: &QuantizedTensor, two_d: bool, rht_on: bool, swizz
             x.to_vec()
         };
         let op: Vec<f64> = if columnwise && rht_on {
-            // The spec defines the transform as the f32 sum in index order (nvfp4.rs): the
+            // The spec defines the transform as f32 butterflies (nvfp4.rs): the
             // quantizer's block amaxes and codes follow those values, which can differ
             // from the exact (f64) transform by f32 cancellation error in a run with a
             // wide value range. The f64 transform checks rht16 itself, below.

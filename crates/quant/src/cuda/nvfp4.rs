@@ -44,47 +44,47 @@ struct Nvfp4Args {
 // (all fields naturally aligned, no padding), passed by value.
 unsafe impl DeviceRepr for Nvfp4Args {}
 
-/// A global amax on the device: `max |x|` (of the RHT-transformed columnwise operand
-/// when `rht`), all-reduced through `reduction` when given (which reads it back).
-fn global_amax(
-    dev: &CudaDevice,
-    x: &Tensor,
-    rht: bool,
-    reduction: Option<&Arc<dyn AmaxReduction>>,
-) -> Result<Tensor> {
-    const OP: &str = "cuda nvfp4 amax";
-    let mut a = if rht {
-        let (m, k) = x.shape().flat_2d();
-        let mut out = Tensor::zeros([1], DType::F32, x.device())?;
-        let f = dev.function(
-            &NVFP4_PTX,
-            &format!("tessera_nvfp4_rht_amax_{}", dtype_suffix(OP, x.dtype())?),
-        )?;
-        let (mu, ku) = (m as u64, k as u64);
-        // A thread per run of 16 rows of RHT_AMAX_COLS columns (8 for 2-byte types).
-        let cols = if x.dtype().size_in_bytes() == 2 { 8 } else { 1 };
-        let cfg = grid_1d(dev, (m / 16) * (k / cols), BLOCK)?;
-        let o = out.cuda_slice_mut()?;
-        // SAFETY: (const T* x, u64 m, u64 k, float* out): x is [m, k] with m and k
-        // multiples of 16 (checked by the quantizer), so 8-column groups of 2-byte T are
-        // 16-byte aligned rows of a 256-byte-aligned allocation.
-        unsafe {
-            launch(dev, &f, cfg, OP, |b| {
-                b.arg(x.cuda_slice().expect("device tensor"))
-                    .arg(&mu)
-                    .arg(&ku)
-                    .arg(o);
-            })
-        }?;
-        out
-    } else {
-        super::fp8::amax(x)?
-    };
-    if let Some(r) = reduction {
-        let v = r.all_reduce_max(a.to_vec::<f32>()?[0])?;
-        a = Tensor::from_slice(&[v], [1], x.device())?;
+/// `a` all-reduced through `reduction` when given (which reads it back).
+fn reduced(a: Tensor, reduction: Option<&Arc<dyn AmaxReduction>>) -> Result<Tensor> {
+    match reduction {
+        Some(r) => {
+            let v = r.all_reduce_max(a.to_vec::<f32>()?[0])?;
+            Tensor::from_slice(&[v], [1], a.device())
+        }
+        None => Ok(a),
     }
-    Ok(a)
+}
+
+/// The global amaxes of an RHT quantization on the device, from one read of `x`:
+/// `max |x|` (rowwise) and `max |RHT(xᵀ)|` (columnwise).
+fn rht_amaxes(dev: &CudaDevice, x: &Tensor) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "cuda nvfp4 amax";
+    let (m, k) = x.shape().flat_2d();
+    let mut row = Tensor::zeros([1], DType::F32, x.device())?;
+    let mut col = Tensor::zeros([1], DType::F32, x.device())?;
+    let f = dev.function(
+        &NVFP4_PTX,
+        &format!("tessera_nvfp4_rht_amax_{}", dtype_suffix(OP, x.dtype())?),
+    )?;
+    let (mu, ku) = (m as u64, k as u64);
+    // A thread per run of 16 rows of RHT_AMAX_COLS columns (8 for 2-byte types).
+    let cols = if x.dtype().size_in_bytes() == 2 { 8 } else { 1 };
+    let cfg = grid_1d(dev, (m / 16) * (k / cols), BLOCK)?;
+    let (r, c) = (row.cuda_slice_mut()?, col.cuda_slice_mut()?);
+    // SAFETY: (const T* x, u64 m, u64 k, float* row, float* col): x is [m, k] with m and
+    // k multiples of 16 (checked by the quantizer), so 8-column groups of 2-byte T are
+    // 16-byte aligned rows of a 256-byte-aligned allocation; row and col are distinct
+    // zeroed f32 scalars.
+    unsafe {
+        launch(dev, &f, cfg, OP, |b| {
+            b.arg(x.cuda_slice().expect("device tensor"))
+                .arg(&mu)
+                .arg(&ku)
+                .arg(r)
+                .arg(c);
+        })
+    }?;
+    Ok((row, col))
 }
 
 /// Quantizes `x` into `out` (NVFP4, its usage's buffers).
@@ -102,11 +102,14 @@ pub(crate) fn quantize_into(
     let (m, k) = check_input(OP, x)?;
     let dev = device_of(x)?;
     let usage = out.usage();
-    let a_row = global_amax(&dev, x, false, reduction)?;
-    let a_col = if rht && usage.columnwise() {
-        global_amax(&dev, x, true, reduction)?
+    // The RHT touches only the columnwise operand.
+    let rht = rht && usage.columnwise();
+    let (a_row, a_col) = if rht {
+        let (r, c) = rht_amaxes(&dev, x)?;
+        (reduced(r, reduction)?, reduced(c, reduction)?)
     } else {
-        a_row.clone()
+        let a = reduced(super::fp8::amax(x)?, reduction)?;
+        (a.clone(), a)
     };
     let (mut seed, mut off_row, mut off_col, sr) = (0, 0, 0, rng.is_some());
     if let Some(g) = rng {
@@ -142,9 +145,15 @@ pub(crate) fn quantize_into(
         off_col,
     };
     let sfx = dtype_suffix(OP, x.dtype())?;
-    // 1-D round to nearest without the RHT has its own entry points; 2-D tiles, the RHT
-    // and stochastic rounding take the general kernel.
+    // 1-D round to nearest without the RHT has its own entry points, and so have 1-D
+    // blocks of 2-byte inputs with the RHT and/or stochastic rounding; 2-D tiles and f32
+    // inputs with either option take the general kernel.
     let plain = !two_d && !rht && !sr;
+    let recipe = match (rht, sr) {
+        (true, true) => "rht_sr",
+        (true, false) => "rht",
+        _ => "sr",
+    };
     if plain && !usage.columnwise() {
         let col_tiles = k.div_ceil(256 * ROW_BLOCKS);
         let blocks = (m / 16) * col_tiles;
@@ -190,11 +199,16 @@ pub(crate) fn quantize_into(
                 format!("tessera_nvfp4_both_{sfx}"),
                 banded_grid(OP, m, k, 128)?,
             )
+        } else if !two_d && x.dtype().size_in_bytes() == 2 {
+            (
+                format!("tessera_nvfp4_both_{recipe}_{sfx}"),
+                banded_grid(OP, m, k, 128)?,
+            )
         } else {
             (format!("tessera_nvfp4_{sfx}"), tile_grid(OP, m, k, 64, 64)?)
         };
         let f = dev.function(&NVFP4_PTX, &name)?;
-        // SAFETY: (const T* x, Nvfp4Args a) for both entry points: x is [m, k] with m, k
+        // SAFETY: (const T* x, Nvfp4Args a) for these entry points: x is [m, k] with m, k
         // multiples of 16 (checked by the quantizer); the argument's pointers address live
         // buffers of `out` (data [m, k/2] and [k, m/2] bytes, the padded scale grids) and
         // the amax scalars, all of which outlive the launch on this stream; null pointers
