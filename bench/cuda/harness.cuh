@@ -51,3 +51,19 @@ static uint64_t fnv(const void* d, size_t n) {
     for (uint8_t b : h) x = (x ^ b) * 1099511628211ull;
     return x;
 }
+
+// Launches kernel k with programmatic stream serialization (the library's `launch_after`):
+// it may start before the kernel ahead of it in the stream ends, and waits for it in
+// pdl_wait() (common.cuh).
+template <class... Params, class... Args>
+static void launch_pdl(void (*k)(Params...), dim3 grid, dim3 block, Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, k, args...));
+}

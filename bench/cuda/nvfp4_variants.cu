@@ -242,20 +242,24 @@ static void run_shape(u64 M, u64 K, int normal) {
                 // The quantizer's sequence, timed as one: the amax pass, then the kernel
                 // (which may find the amax pass's last reads in L2).
                 const double floor_ms = (in + in + 2 * ob) / copy_gbs / 1e6;
-                for (int pipe = 0; pipe < 2; ++pipe) {
+                for (int pipe = 0; pipe < 3; ++pipe) {
                     clear();
                     const float tp = time_ms([&] {
                         CK(cudaMemsetAsync(amax, 0, 4));
                         tessera_amax_bf16<<<amax_grid, 256>>>(x, n, amax);
-                        if (pipe)
+                        if (pipe == 1)
                             tessera_nvfp4_both_pipe_bf16<<<pipe_grid, 256, pipe_smem>>>(x, a);
+                        else if (pipe == 2)
+                            launch_pdl(tessera_nvfp4_both_bf16, grid, dim3(256), (const __nv_bfloat16*)x, a);
                         else
                             tessera_nvfp4_both_bf16<<<grid, 256>>>(x, a);
                     });
-                    std::printf("%-40s %8.4f ms  %6.3f of two-pass floor\n",
-                                pipe ? (swz ? "pipeline: amax + pipelined swz" : "pipeline: amax + pipelined")
-                                     : (swz ? "pipeline: amax + both swz" : "pipeline: amax + both"),
-                                tp, floor_ms / tp);
+                    const char* names[3] = {"pipeline: amax + both", "pipeline: amax + pipelined",
+                                            "pipeline: amax + both, PDL"};
+                    char label[64];
+                    std::snprintf(label, sizeof label, "%s%s", names[pipe], swz ? " swz" : "");
+                    std::printf("%-40s %8.4f ms  %6.3f of two-pass floor  hash %016llx %016llx\n", label, tp,
+                                floor_ms / tp, (unsigned long long)fnv(qt, n / 2), (unsigned long long)fnv(sc, n / 16));
                 }
             }
         }
@@ -311,14 +315,20 @@ static void run_shape(u64 M, u64 K, int normal) {
         rs(tessera_nvfp4_both_rht_sr_bf16, "both rht + sr (NVFP4_RS_MINB CTAs/SM)");
         rs(rs_var<2>, "both rht + sr, 2 CTAs/SM");
         rs(rs_var<4>, "both rht + sr, 4 CTAs/SM");
-        {
+        for (int pdl = 0; pdl < 2; ++pdl) {
+            clear();
             const float tp = time_ms([&] {
                 CK(cudaMemsetAsync(amax_rht, 0, 8));
                 tessera_nvfp4_rht_amax_bf16<<<g_rht, 256>>>(x, M, K, amax_rht, amax_rht + 1);
-                tessera_nvfp4_both_rht_sr_bf16<<<grid, 256>>>(x, a);
+                if (pdl)
+                    launch_pdl(tessera_nvfp4_both_rht_sr_bf16, grid, dim3(256), (const __nv_bfloat16*)x, a);
+                else
+                    tessera_nvfp4_both_rht_sr_bf16<<<grid, 256>>>(x, a);
             });
-            std::printf("%-40s %8.4f ms  %6.3f of two-pass floor\n", "pipeline: rht amax + both rht + sr", tp,
-                        (in + in + 2 * ob) / copy_gbs / 1e6 / tp);
+            std::printf("%-40s %8.4f ms  %6.3f of two-pass floor  hash %016llx %016llx\n",
+                        pdl ? "pipeline: rht amax + both rht + sr, PDL" : "pipeline: rht amax + both rht + sr", tp,
+                        (in + in + 2 * ob) / copy_gbs / 1e6 / tp, (unsigned long long)fnv(qt, n / 2),
+                        (unsigned long long)fnv(sc, n / 16));
         }
         a.sr = 0;
         gen(tessera_nvfp4_bf16, "general kernel, rht, both");

@@ -30,6 +30,19 @@ typedef unsigned long long u64;
 #define TQ_MINB_MXFP8 3
 #endif
 
+// ---- programmatic dependent launch (sm_90) -------------------------------------------
+
+// A kernel launched with programmatic stream serialization (the host's `launch_after`)
+// may start while the kernel before it in the stream still runs: once every CTA of that
+// kernel has called pdl_launch_dependents() (or exited), its CTAs take the SM slots the
+// earlier one frees. pdl_wait() blocks until the earlier kernel has finished and its
+// writes are visible; what a kernel does before it may only read memory the earlier
+// kernel does not write (the second passes of the quantizers load their tile of the
+// input, which the amax pass only reads). Both are no-ops in a kernel launched the
+// ordinary way.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
 // ---- input element types -------------------------------------------------------------
 
 template <class T> struct In;

@@ -15,6 +15,7 @@
 template <class T>
 __device__ void amax_impl(const T* __restrict__ x, u64 n, float* out) {
     __shared__ float smem[32];
+    pdl_launch_dependents();  // the second pass may take the slots this pass frees
     constexpr int V = 16 / sizeof(T), U = AMAX_UNROLL;
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     float m = 0.0f;
@@ -72,6 +73,7 @@ template <class T, bool E4M3>
 __device__ void cast_impl(const T* __restrict__ x, uint8_t* __restrict__ q, u64 n, const Fp8Scale sa,
                           float* __restrict__ scale_inv, float* __restrict__ amax) {
     __shared__ float smem[32];
+    pdl_wait();  // the scale or amax comes from the kernel before
     const float scale = cast_scale(sa);
     const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (tid == 0) scale_inv[0] = __frcp_rn(scale);
@@ -160,12 +162,13 @@ __device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict
                                     uint8_t* __restrict__ qt, u64 m, u64 k, const Fp8Scale sa,
                                     float* __restrict__ scale_inv, float* __restrict__ amax) {
     __shared__ float smem[32];
-    const float scale = cast_scale(sa);
-    if (blockIdx.x == 0 && threadIdx.x == 0) scale_inv[0] = __frcp_rn(scale);
     const bool last_first = sa.amax != nullptr;  // after an amax pass (cta_order)
     const u64 gy = (k + 127) / 128, m0 = tile_row(gy, last_first) * 128, k0 = tile_col(gy, last_first) * 128;
     Tile128<T> x4;
     x4.load(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
+    pdl_wait();  // the tile is loaded; the scale or amax comes from the kernel before
+    const float scale = cast_scale(sa);
+    if (blockIdx.x == 0 && threadIdx.x == 0) scale_inv[0] = __frcp_rn(scale);
     float mx = cast_transpose_tile<T, E4M3>(x4, m0, k0, q, qt, m, k, scale);
     if (amax != nullptr) {
         mx = block_max(mx, smem);

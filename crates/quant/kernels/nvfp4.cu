@@ -198,6 +198,7 @@ template <class T> constexpr int RHT_AMAX_COLS = sizeof(T) == 2 ? 8 : 1;
 template <class T>
 __device__ void rht_amax_impl(const T* __restrict__ x, u64 m, u64 k, float* row, float* col) {
     __shared__ float smem[32];
+    pdl_launch_dependents();  // the second pass may take the slots this pass frees
     constexpr int C = RHT_AMAX_COLS<T>;
     const u64 groups = k / C, runs = (m / 16) * groups;
     float mx = 0.0f, mr = 0.0f;
@@ -287,6 +288,7 @@ __device__ void nvfp4_row_impl(const T* __restrict__ x, u64 m, u64 k, const floa
         if (c0 + 16 * b < k)
 #pragma unroll
             for (int l = 0; l < L; ++l) raw[b].u[l] = reinterpret_cast<const uint4*>(x + row * k + c0 + 16 * b)[l];
+    pdl_wait();  // the global amax comes from the kernel before
     const float s_enc = global_encode_scale(amax[0]);
     const float s_dec = __frcp_rn(s_enc);
 #pragma unroll
@@ -495,6 +497,7 @@ struct BothLane {
 struct BothShared {
     float2 tab[2][128];
     float se[2];
+    uint32_t magic;
     BothScales stage;
 };
 
@@ -506,6 +509,7 @@ __device__ __forceinline__ void both_tables(BothShared& sh, const Nvfp4Args& a) 
     const float se = q != nullptr ? global_encode_scale((o ? a.amax_col : a.amax_row)[0]) : 1.0f;
     sh.tab[o][threadIdx.x & 127] = block_table_entry(threadIdx.x & 127, __frcp_rn(se));
     if ((threadIdx.x & 127) == 0) sh.se[o] = se;
+    if (threadIdx.x == 0) sh.magic = 0x46800000u;
 }
 
 // Quantizes the 128x128 tile at (R0, C0) of 2-byte inputs, the lane's values in d (zeros
@@ -663,11 +667,19 @@ __device__ __forceinline__ uint32_t e2m1x8_rn(const float* y) {
 }
 
 // 8 products to E2M1 codes with stochastic rounding (e2m1_sr_magnitude), element j with
-// byte j % 4 of r.x (j < 4) or r.y; signs from the products' sign bits.
-__device__ __forceinline__ uint32_t e2m1x8_sr(const float* y, uint2 r) {
+// byte j % 4 of r.x (j < 4) or r.y; signs from the products' sign bits. The codes are
+// added in place (one multiply-add each; the fields do not overlap). 16384.0f's bits
+// are held in a register (an asm the compiler cannot fold) so that each byte permute
+// takes its selector as the immediate: with the constant as the immediate, every
+// permute first moved its selector into a register.
+__device__ __forceinline__ uint32_t e2m1x8_sr(const float* y, uint2 r, uint32_t magic) {
     uint32_t w = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) w |= e2m1_sr_magnitude(y[j], sr_half_uniform(make_uint4(r.x, r.y, 0u, 0u), j)) << (4 * j);
+    for (int j = 0; j < 8; ++j) {
+        const uint32_t rw = j < 4 ? r.x : r.y;
+        const float h = __fadd_rn(__uint_as_float(prmt(rw, magic, 0x7650u | (uint32_t)(j % 4))), -16384.0f);
+        w += e2m1_sr_magnitude(y[j], h) << (4 * j);
+    }
     return w | float_signs(y);
 }
 
@@ -696,6 +708,7 @@ __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLan
     const u64 r0 = R0 + rt, col = C0 + ct;
     auto& stage = sh.stage;
     __syncthreads();
+    const uint32_t magic = sh.magic;
     if (a.q_row != nullptr) {
         // The pair's 8 NaN-ignoring row block amaxes, rm[q] rows 2q, 2q + 1; lane half h
         // computes the scales of rows 4h .. 4h + 3 and trades encode scales.
@@ -754,7 +767,7 @@ __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLan
                     y[2 * p + 1] = __fmul_rn(hi_f32<T>(d.w[i][p]), rgs[i]);
                 }
                 uint32_t code;
-                if constexpr (Sr) code = e2m1x8_sr(y, rw[i]);
+                if constexpr (Sr) code = e2m1x8_sr(y, rw[i], magic);
                 else code = e2m1x8_rn(y);
                 *reinterpret_cast<uint32_t*>(q + i * (a.k / 2)) = code;
             }
@@ -796,7 +809,8 @@ __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLan
             uint2 out;
             if constexpr (Sr) {
                 const uint4 r = random16(a.seed, a.off_col, (c4 + c) * a.m + R16);
-                out = make_uint2(e2m1x8_sr(y, make_uint2(r.x, r.y)), e2m1x8_sr(y + 8, make_uint2(r.z, r.w)));
+                out = make_uint2(e2m1x8_sr(y, make_uint2(r.x, r.y), magic),
+                                 e2m1x8_sr(y + 8, make_uint2(r.z, r.w), magic));
             } else {
                 out = make_uint2(e2m1x8_rn(y), e2m1x8_rn(y + 8));
             }
@@ -827,6 +841,7 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
 #pragma unroll
         for (int w = 0; w < BothTile<T>::W; ++w)
             d.u[i][w] = valid ? src[i * row_vectors + w] : make_uint4(0u, 0u, 0u, 0u);
+    pdl_wait();  // the global amaxes come from the kernel before
     if constexpr (sizeof(T) == 4) {
         // f32 inputs: the general path, scale bytes stored directly by one lane of a pair.
         const u64 ib = r0 / 16, jb = col / 16;
@@ -890,6 +905,7 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
 #pragma unroll
         for (int j = 0; j < 16; ++j) v[j] = 0.0f;
     }
+    pdl_wait();  // the global amaxes come from the kernel before
     float bamax = 0.0f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) bamax = fmaxf(bamax, fabsf(v[j]));

@@ -5,7 +5,8 @@ use tessera_core::cuda::{CudaDevice, grid_1d};
 use tessera_core::{DType, Error, Result, Shape, Tensor};
 
 use super::{
-    BLOCK, FP8_PTX, device_addr, device_of, dtype_suffix, format_suffix, launch, tile_grid,
+    BLOCK, FP8_PTX, Order, Params, device_addr, device_of, dtype_suffix, format_suffix, launch,
+    launch_params, tile_grid,
 };
 use crate::values::check_input;
 use crate::{BufferName, Fp8Format, QuantizedTensor};
@@ -102,78 +103,54 @@ pub(crate) fn cast_into(
     let sfx = dtype_suffix(OP, x.dtype())?;
     let fmt = format_suffix(format);
     let usage = out.usage();
-    let null = 0u64;
-    let sa = scale.arg(&dev, format)?;
-    let amax_ptr = match amax {
-        Some(a) => Some(a.cuda_slice_mut()?),
-        None => None,
+    // Current scaling's cast follows its amax pass directly.
+    let order = match scale {
+        ScaleFrom::Amax { .. } => Order::OverlapAmaxPass,
+        ScaleFrom::Scale(_) => Order::AfterPrevious,
     };
-    let mut scale_inv = out.take_buffer(BufferName::ScaleInv)?;
-    let sis = scale_inv.cuda_slice_mut()?;
+    let sa = scale.arg(&dev, format)?;
+    let amax = amax.as_deref().map_or(Ok(0), |a| device_addr(&dev, a))?;
+    let xa = device_addr(&dev, x)?;
+    let scale_inv = out.take_buffer(BufferName::ScaleInv)?;
+    let sia = device_addr(&dev, &scale_inv)?;
     if usage.columnwise() {
-        let mut q = match usage.rowwise() {
+        let q = match usage.rowwise() {
             true => Some(out.take_buffer(BufferName::Data)?),
             false => None,
         };
-        let mut qt = out.take_buffer(BufferName::ColumnwiseData)?;
+        let qt = out.take_buffer(BufferName::ColumnwiseData)?;
         let f = dev.function(&FP8_PTX, &format!("tessera_fp8_cast_transpose_{sfx}_{fmt}"))?;
         let cfg = tile_grid(OP, m, k, 128, 128)?;
         let (mu, ku) = (m as u64, k as u64);
-        {
-            let qs = match q.as_mut() {
-                Some(q) => Some(q.cuda_slice_mut()?),
-                None => None,
-            };
-            let qts = qt.cuda_slice_mut()?;
-            // SAFETY: (const T* x, u8* q, u8* qt, u64 m, u64 k, Fp8Scale scale, float*
-            // scale_inv, float* amax): x is [m, k] of T, q [m, k] bytes or null, qt [k, m]
-            // bytes, scale's live pointer and scale_inv/amax one float each (amax may be
-            // null).
-            unsafe {
-                launch(&dev, &f, cfg, OP, |b| {
-                    b.arg(x.cuda_slice().expect("device tensor"));
-                    match qs {
-                        Some(q) => b.arg(q),
-                        None => b.arg(&null),
-                    };
-                    b.arg(qts).arg(&mu).arg(&ku).arg(&sa).arg(sis);
-                    match amax_ptr {
-                        Some(a) => b.arg(a),
-                        None => b.arg(&null),
-                    };
-                })
-            }?;
-        }
+        let qa = q.as_ref().map_or(Ok(0), |q| device_addr(&dev, q))?;
+        let qta = device_addr(&dev, &qt)?;
+        let mut p = Params::default();
+        p.arg(&xa).arg(&qa).arg(&qta).arg(&mu).arg(&ku);
+        p.arg(&sa).arg(&sia).arg(&amax);
+        // SAFETY: (const T* x, u8* q, u8* qt, u64 m, u64 k, Fp8Scale scale, float*
+        // scale_inv, float* amax): x is [m, k] of T, q [m, k] bytes or null, qt [k, m]
+        // bytes, scale's live pointer and scale_inv/amax one float each (amax may be
+        // null). After the amax pass the kernel loads only its tile of x before
+        // pdl_wait().
+        unsafe { launch_params(&dev, &f, cfg, OP, order, &mut p) }?;
         out.put_buffer(BufferName::ColumnwiseData, qt);
         if let Some(q) = q {
             out.put_buffer(BufferName::Data, q);
         }
     } else {
-        let mut q = out.take_buffer(BufferName::Data)?;
+        let q = out.take_buffer(BufferName::Data)?;
         let f = dev.function(&FP8_PTX, &format!("tessera_fp8_cast_{sfx}_{fmt}"))?;
         let n = x.numel() as u64;
         let cfg = grid_1d(&dev, x.numel().div_ceil(16), BLOCK)?;
-        {
-            let qs = q.cuda_slice_mut()?;
-            // SAFETY: (const T* x, u8* q, u64 n, Fp8Scale scale, float* scale_inv, float*
-            // amax): x holds n elements of T, q n bytes, scale's live pointer and
-            // scale_inv/amax one float each (amax may be null); 16-element steps read
-            // 16-byte-aligned vectors (allocations are 256-byte aligned and steps start at
-            // multiples of 16 elements).
-            unsafe {
-                launch(&dev, &f, cfg, OP, |b| {
-                    b.arg(x.cuda_slice().expect("device tensor"))
-                        .arg(qs)
-                        .arg(&n)
-                        .arg(&sa)
-                        .arg(sis);
-                    match amax_ptr {
-                        Some(a) => b.arg(a),
-                        None => b.arg(&null),
-                    };
-                })
-            }?;
-        }
+        let qa = device_addr(&dev, &q)?;
+        let mut p = Params::default();
+        p.arg(&xa).arg(&qa).arg(&n).arg(&sa).arg(&sia).arg(&amax);
+        // SAFETY: (const T* x, u8* q, u64 n, Fp8Scale scale, float* scale_inv, float*
+        // amax): x holds n elements of T, q n bytes, scale's live pointer and
+        // scale_inv/amax one float each (amax may be null); 16-element steps read
+        // 16-byte-aligned vectors (allocations are 256-byte aligned and steps start at
+        // multiples of 16 elements). The kernel waits (pdl_wait()) before anything else.
+        unsafe { launch_params(&dev, &f, cfg, OP, order, &mut p) }?;
         out.put_buffer(BufferName::Data, q);
     }
     out.put_buffer(BufferName::ScaleInv, scale_inv);

@@ -8,7 +8,8 @@ use tessera_core::{DType, Device, Error, Result, Tensor};
 use tessera_rng::Generator;
 
 use super::{
-    BLOCK, NVFP4_PTX, Outputs, banded_grid, device_addr, device_of, dtype_suffix, launch, tile_grid,
+    BLOCK, NVFP4_PTX, Order, Outputs, Params, banded_grid, device_addr, device_of, dtype_suffix,
+    launch, launch_params, tile_grid,
 };
 use crate::values::check_input;
 use crate::{AmaxReduction, BufferName, QuantizedTensor};
@@ -104,14 +105,54 @@ pub(crate) fn quantize_into(
     let usage = out.usage();
     // The RHT touches only the columnwise operand.
     let rht = rht && usage.columnwise();
-    let (a_row, a_col) = if rht {
-        let (r, c) = rht_amaxes(&dev, x)?;
-        (reduced(r, reduction)?, reduced(c, reduction)?)
+    let sr = rng.is_some();
+    let sfx = dtype_suffix(OP, x.dtype())?;
+    // The kernel: 1-D round to nearest without the RHT has its own entry points (rowwise
+    // only, or both orientations), and so have 1-D blocks of 2-byte inputs with the RHT
+    // and/or stochastic rounding; 2-D tiles and f32 inputs with either option take the
+    // general kernel.
+    let plain = !two_d && !rht && !sr;
+    let row_only = plain && !usage.columnwise();
+    let col_tiles = k.div_ceil(256 * ROW_BLOCKS);
+    let (name, cfg) = if row_only {
+        let blocks = (m / 16) * col_tiles;
+        if blocks > i32::MAX as usize {
+            return Err(Error::shape(
+                OP,
+                format!(
+                    "[{m}, {k}] needs {blocks} thread blocks of 16 x {} values; at most {} fit \
+                     in one launch",
+                    256 * ROW_BLOCKS,
+                    i32::MAX
+                ),
+            ));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        (format!("tessera_nvfp4_row_{sfx}"), cfg)
+    } else if plain {
+        (
+            format!("tessera_nvfp4_both_{sfx}"),
+            banded_grid(OP, m, k, 128)?,
+        )
+    } else if !two_d && x.dtype().size_in_bytes() == 2 {
+        let recipe = match (rht, sr) {
+            (true, true) => "rht_sr",
+            (true, false) => "rht",
+            _ => "sr",
+        };
+        (
+            format!("tessera_nvfp4_both_{recipe}_{sfx}"),
+            banded_grid(OP, m, k, 128)?,
+        )
     } else {
-        let a = reduced(super::fp8::amax(x)?, reduction)?;
-        (a.clone(), a)
+        (format!("tessera_nvfp4_{sfx}"), tile_grid(OP, m, k, 64, 64)?)
     };
-    let (mut seed, mut off_row, mut off_col, sr) = (0, 0, 0, rng.is_some());
+    let f = dev.function(&NVFP4_PTX, &name)?;
+    let (mut seed, mut off_row, mut off_col) = (0, 0, 0);
     if let Some(g) = rng {
         seed = g.seed();
         if usage.rowwise() {
@@ -121,7 +162,29 @@ pub(crate) fn quantize_into(
             off_col = g.advance((m * k).div_ceil(4)).offset;
         }
     }
+    // The outputs (their scale padding cleared) before the amax pass, so that the
+    // kernel follows that pass directly and can overlap its tail.
     let o = Outputs::take(&dev, out, OP, [[m, k / 16], [k, m / 16]])?;
+    let amaxes = if rht {
+        rht_amaxes(&dev, x).and_then(|(r, c)| Ok((reduced(r, reduction)?, reduced(c, reduction)?)))
+    } else {
+        super::fp8::amax(x)
+            .and_then(|a| reduced(a, reduction))
+            .map(|a| (a.clone(), a))
+    };
+    let (a_row, a_col) = match amaxes {
+        Ok(a) => a,
+        Err(e) => {
+            o.put_back(out);
+            return Err(e);
+        }
+    };
+    // A reduction reads the amax back and writes the reduced one: the kernel then
+    // follows that copy, not the amax pass.
+    let order = match reduction {
+        None => Order::OverlapAmaxPass,
+        Some(_) => Order::AfterPrevious,
+    };
     let (q_row, s_row, q_col, s_col) = (&o.q_row, &o.s_row, &o.q_col, &o.s_col);
     let p = |t: &Option<Tensor>| t.as_ref().map_or(Ok(0), |t| device_addr(&dev, t));
     let cols = |t: &Option<Tensor>| t.as_ref().map_or(0, |t| t.shape().dims()[1] as u64);
@@ -144,81 +207,29 @@ pub(crate) fn quantize_into(
         off_row,
         off_col,
     };
-    let sfx = dtype_suffix(OP, x.dtype())?;
-    // 1-D round to nearest without the RHT has its own entry points, and so have 1-D
-    // blocks of 2-byte inputs with the RHT and/or stochastic rounding; 2-D tiles and f32
-    // inputs with either option take the general kernel.
-    let plain = !two_d && !rht && !sr;
-    let recipe = match (rht, sr) {
-        (true, true) => "rht_sr",
-        (true, false) => "rht",
-        _ => "sr",
-    };
-    if plain && !usage.columnwise() {
-        let col_tiles = k.div_ceil(256 * ROW_BLOCKS);
-        let blocks = (m / 16) * col_tiles;
-        if blocks > i32::MAX as usize {
-            return Err(Error::shape(
-                OP,
-                format!(
-                    "[{m}, {k}] needs {blocks} thread blocks of 16 x {} values; at most {} fit \
-                     in one launch",
-                    256 * ROW_BLOCKS,
-                    i32::MAX
-                ),
-            ));
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let f = dev.function(&NVFP4_PTX, &format!("tessera_nvfp4_row_{sfx}"))?;
-        let (mu, ku, tiles) = (m as u64, k as u64, col_tiles as u64);
-        // SAFETY: (const T* x, u64 m, u64 k, const float* amax, u8* q, u8* s, u64 s_cols,
-        // int swizzled, u64 col_tiles): x is [m, k] with m, k multiples of 16 (checked by
-        // the quantizer); q addresses the live [m, k/2] data buffer of `out`, s its padded
-        // [rows, s_cols] scale grid, amax a live f32 scalar; all outlive the launch on
-        // this stream, and the grid covers (m / 16) x col_tiles tiles exactly.
-        unsafe {
-            launch(&dev, &f, cfg, OP, |b| {
-                b.arg(x.cuda_slice().expect("device tensor"))
-                    .arg(&mu)
-                    .arg(&ku)
-                    .arg(&args.amax_row)
-                    .arg(&args.q_row)
-                    .arg(&args.s_row)
-                    .arg(&args.s_row_cols)
-                    .arg(&args.swizzled)
-                    .arg(&tiles);
-            })
-        }?;
+    let xa = device_addr(&dev, x)?;
+    let (mu, ku, tiles) = (m as u64, k as u64, col_tiles as u64);
+    let mut params = Params::default();
+    if row_only {
+        params.arg(&xa).arg(&mu).arg(&ku).arg(&args.amax_row);
+        params
+            .arg(&args.q_row)
+            .arg(&args.s_row)
+            .arg(&args.s_row_cols);
+        params.arg(&args.swizzled).arg(&tiles);
     } else {
-        let (name, cfg) = if plain {
-            (
-                format!("tessera_nvfp4_both_{sfx}"),
-                banded_grid(OP, m, k, 128)?,
-            )
-        } else if !two_d && x.dtype().size_in_bytes() == 2 {
-            (
-                format!("tessera_nvfp4_both_{recipe}_{sfx}"),
-                banded_grid(OP, m, k, 128)?,
-            )
-        } else {
-            (format!("tessera_nvfp4_{sfx}"), tile_grid(OP, m, k, 64, 64)?)
-        };
-        let f = dev.function(&NVFP4_PTX, &name)?;
-        // SAFETY: (const T* x, Nvfp4Args a) for these entry points: x is [m, k] with m, k
-        // multiples of 16 (checked by the quantizer); the argument's pointers address live
-        // buffers of `out` (data [m, k/2] and [k, m/2] bytes, the padded scale grids) and
-        // the amax scalars, all of which outlive the launch on this stream; null pointers
-        // mark absent usages; the grid's tiles (128x128 banded or 64x64) cover [m, k].
-        unsafe {
-            launch(&dev, &f, cfg, OP, |b| {
-                b.arg(x.cuda_slice().expect("device tensor")).arg(&args);
-            })
-        }?;
+        params.arg(&xa).arg(&args);
     }
+    // SAFETY: x is [m, k] with m, k multiples of 16 (checked by the quantizer); the
+    // pointers address live buffers of `out` (data [m, k/2] and [k, m/2] bytes, the
+    // padded scale grids) and the amax scalars, all of which outlive the launch on this
+    // stream; null pointers mark absent usages. The row kernel takes (const T* x, u64 m,
+    // u64 k, const float* amax, u8* q, u8* s, u64 s_cols, int swizzled, u64 col_tiles),
+    // its grid covering (m / 16) x col_tiles tiles exactly; the others (const T* x,
+    // Nvfp4Args a), their tiles (128x128 banded or 64x64) covering [m, k]. Every one
+    // loads only its input before pdl_wait(), and the amax pass ran last when there is
+    // no reduction.
+    unsafe { launch_params(&dev, &f, cfg, OP, order, &mut params) }?;
     let put_amax = |out: &mut QuantizedTensor, name, a: &Tensor| -> Result<()> {
         if out.buffer(name).is_some() {
             out.take_buffer(name)?;
