@@ -6,7 +6,7 @@
 //! kernel, which reads that scalar and computes its scales itself (no launch between the
 //! two) and takes its tiles last first, so that it starts on the lines the amax pass
 //! read last and L2 still holds (`cta_order` in kernels/common.cuh). The second pass is
-//! a programmatic dependent launch ([`launch_after_amax`]): its CTAs load their tiles
+//! a programmatic dependent launch (`Order::OverlapAmaxPass`): its CTAs load their tiles
 //! while the amax pass finishes. An amax reduction across ranks is the one step that
 //! reads the amax back to the host (and then the second pass launches the ordinary way).
 
