@@ -184,6 +184,16 @@ __device__ __forceinline__ void inverse_rht16(const float* y, float* v) {
     for (int t = 0; t < 16; ++t) v[t] = __fmul_rn(v[t], rht_sign(t));
 }
 
+// The 8 values of a lane's row of 2-byte T (4 raw words, element 2p in the low half of
+// word p) as floats.
+template <class T> __device__ __forceinline__ void row_values(const uint32_t* w, float* v) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        v[2 * p] = lo_f32<T>(w[p]);
+        v[2 * p + 1] = hi_f32<T>(w[p]);
+    }
+}
+
 // Packed |.| of a raw word of 2-byte T.
 template <class T> __device__ __forceinline__ uint32_t habs2w(uint32_t a) {
     const auto r = abs2<T>(a);
@@ -610,11 +620,7 @@ __device__ __forceinline__ void both_tile(const BothTile<T>& d, const BothLane& 
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 float v[8];
-#pragma unroll
-                for (int p = 0; p < 4; ++p) {
-                    v[2 * p] = lo_f32<T>(d.w[i][p]);
-                    v[2 * p + 1] = hi_f32<T>(d.w[i][p]);
-                }
+                row_values<T>(d.w[i], v);
                 *reinterpret_cast<uint32_t*>(q + i * (a.k / 2)) = e2m1x8_magnitudes(v, rgs[i]) | row_signs(d.w[i]);
             }
         }
@@ -761,11 +767,9 @@ __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLan
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 float y[8];
+                row_values<T>(d.w[i], y);
 #pragma unroll
-                for (int p = 0; p < 4; ++p) {
-                    y[2 * p] = __fmul_rn(lo_f32<T>(d.w[i][p]), rgs[i]);
-                    y[2 * p + 1] = __fmul_rn(hi_f32<T>(d.w[i][p]), rgs[i]);
-                }
+                for (int j = 0; j < 8; ++j) y[j] = __fmul_rn(y[j], rgs[i]);
                 uint32_t code;
                 if constexpr (Sr) code = e2m1x8_sr(y, rw[i], magic);
                 else code = e2m1x8_rn(y);
