@@ -780,6 +780,41 @@ fn nvfp4_rht_and_stochastic_rounding_kernels_match_the_cpu() {
     }
 }
 
+/// The second pass of a two-pass quantizer starts before its amax pass ends (a
+/// programmatic dependent launch) and must still see that pass's amax, and the amax pass
+/// the input written just before it. One device buffer is refilled by a kernel before
+/// every call, with magnitudes that change by 2^9 from call to call, so a stale or
+/// partial amax, or a stale input, shows in the bytes.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn two_pass_quantizers_see_the_amax_and_input_written_just_before() {
+    require_gpu();
+    let shape = [2048, 4096];
+    let mut x = Tensor::zeros(shape, DType::F32, GPU).unwrap();
+    let mut fill = Generator::new(8100);
+    let mut fp8 = Fp8CurrentScaling::new(Fp8Format::E4M3).with_usage(Usage::Both);
+    let mut nvfp4 = Nvfp4Quantizer::new().with_usage(Usage::Both);
+    let mut out_fp8 = fp8.make_empty(x.shape(), x.dtype(), GPU).unwrap();
+    let mut out_nvfp4 = nvfp4.make_empty(x.shape(), x.dtype(), GPU).unwrap();
+    for round in 0..6 {
+        let std = 2f32.powi(9 * (round % 3) - 9);
+        fill.fill_normal_tensor(&mut x, 0.0, std).unwrap();
+        fp8.quantize_into(&x, &mut out_fp8).unwrap();
+        nvfp4.quantize_into(&x, &mut out_nvfp4).unwrap();
+        let host = x.to_device(Device::Cpu).unwrap();
+        assert_same(
+            &out_fp8,
+            &fp8.quantize(&host).unwrap(),
+            &format!("fp8 current scaling, round {round}"),
+        );
+        assert_same(
+            &out_nvfp4,
+            &nvfp4.quantize(&host).unwrap(),
+            &format!("nvfp4, round {round}"),
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn stochastic_rounding_advances_the_generator_like_the_cpu() {
