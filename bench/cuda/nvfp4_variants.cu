@@ -35,6 +35,12 @@ __global__ void __launch_bounds__(256, MINB) rs_var(const __nv_bfloat16* __restr
     nvfp4_both_impl<__nv_bfloat16, true, true>(x, a);
 }
 
+// The RHT both kernel (round to nearest) for MINB CTAs per SM.
+template <int MINB>
+__global__ void __launch_bounds__(256, MINB) rht_var(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
+    nvfp4_both_impl<__nv_bfloat16, true, false>(x, a);
+}
+
 // The general kernel (every option) for MINB CTAs per SM; it ships with 5.
 template <int MINB>
 __global__ void __launch_bounds__(256, MINB) general_var(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
@@ -104,6 +110,73 @@ __device__ void nvfp4_both_pipe_impl(const T* __restrict__ x, const Nvfp4Args a)
 extern "C" __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB)
     tessera_nvfp4_both_pipe_bf16(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
     nvfp4_both_pipe_impl<__nv_bfloat16>(x, a);
+}
+
+// ---- the both kernel with the next tile prefetched into L2 (experiments) ----------------
+//
+// The both kernel's CTA loads its tile, then computes with few warps: the DRAM latency of
+// the load phase is not hidden by the CTA's own work. Two ways to start the fetch early
+// without registers: a CTA that walks NT tiles of its band column (tables filled once)
+// and prefetches tile t + 1 into L2 before quantizing tile t (`both_multi`), and the
+// shipped one-tile CTA prefetching the tile of the CTA launched W after it (`both_ahead`).
+
+// Each of the 256 threads prefetches 128 bytes (half a row) of the 128x128 tile at (R0, C0).
+__device__ __forceinline__ void prefetch_tile_l2(const __nv_bfloat16* x, const Nvfp4Args& a, u64 R0, u64 C0) {
+    const u64 r = R0 + threadIdx.x / 2, c = C0 + 64 * (threadIdx.x % 2);
+    if (r < a.m && c < a.k) {
+        const u64 bytes = a.k - c >= 64 ? 128 : (a.k - c) * 2;
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(x + r * a.k + c), "r"((uint32_t)bytes)
+                     : "memory");
+    }
+}
+
+// The tile of band-column index xx in band `band` (tile_banded's mapping).
+__device__ __forceinline__ TileRC band_tile(uint32_t band, uint32_t xx, uint32_t hb) {
+    return {(band << hb) + (xx & ((1u << hb) - 1u)), xx >> hb};
+}
+
+template <int NT, bool PF>
+__global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) both_multi(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
+    using T = __nv_bfloat16;
+    const BothLane l;
+    const uint32_t hb = band_log2((uint32_t)((a.m + 127) / 128));
+    const uint32_t band = gridDim.y - 1u - blockIdx.y, X = (gridDim.x - 1u - blockIdx.x) * NT;
+    __shared__ BothShared sh;
+    const u64 row_vectors = a.k * sizeof(T) / 16;
+    bool first = true;
+#pragma unroll 1
+    for (int t = NT - 1; t >= 0; --t) {
+        const TileRC tile = band_tile(band, X + t, hb);
+        const u64 R0 = (u64)tile.row * 128, C0 = (u64)tile.col * 128;
+        if (R0 >= a.m) continue;
+        const u64 r0 = R0 + l.rt, col = C0 + l.ct;
+        const bool valid = r0 < a.m && col < a.k;
+        BothTile<T> d;
+        const uint4* src = reinterpret_cast<const uint4*>(x + r0 * a.k + col);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) d.u[i][0] = valid ? src[i * row_vectors] : make_uint4(0u, 0u, 0u, 0u);
+        if (PF && t > 0) {
+            const TileRC n = band_tile(band, X + t - 1, hb);
+            prefetch_tile_l2(x, a, (u64)n.row * 128, (u64)n.col * 128);
+        }
+        if (first) {
+            pdl_wait();
+            both_tables(sh, a);
+            first = false;
+        }
+        both_tile<T>(d, l, R0, C0, valid, a, sh);
+    }
+}
+
+template <int W>
+__global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) both_ahead(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
+    const uint32_t lin = blockIdx.y * gridDim.x + blockIdx.x + W;
+    if (lin < gridDim.x * gridDim.y) {
+        const uint32_t by = lin / gridDim.x, bx = lin - by * gridDim.x;
+        const TileRC n = band_tile(gridDim.y - 1u - by, gridDim.x - 1u - bx, band_log2((uint32_t)((a.m + 127) / 128)));
+        prefetch_tile_l2(x, a, (u64)n.row * 128, (u64)n.col * 128);
+    }
+    nvfp4_both_impl<__nv_bfloat16>(x, a);
 }
 
 static void run_shape(u64 M, u64 K, int normal) {
@@ -225,6 +298,24 @@ static void run_shape(u64 M, u64 K, int normal) {
                 both_run(tessera_nvfp4_both_bf16, "both shipped (NVFP4_BOTH_MINB CTAs/SM)");
                 both_run(both_var<4>, "both warp 32x64, 4 CTAs/SM");
                 both_run(both_var<5>, "both warp 32x64, 5 CTAs/SM");
+                auto multi_run = [&](auto kernel, unsigned nt, const char* label) {
+                    if (h % nt != 0) return;
+                    clear();
+                    const dim3 g(grid.x / nt, grid.y);
+                    const float t = time_ms([&] { kernel<<<g, 256>>>(x, a); });
+                    std::snprintf(name, sizeof name, "%s%s", label, swz ? " swz" : "");
+                    report(name, t);
+                };
+                multi_run(both_multi<1, false>, 1, "both multi 1 tile/CTA");
+                multi_run(both_multi<2, false>, 2, "both multi 2 tiles/CTA");
+                multi_run(both_multi<2, true>, 2, "both multi 2 tiles/CTA, L2 prefetch");
+                multi_run(both_multi<4, false>, 4, "both multi 4 tiles/CTA");
+                multi_run(both_multi<4, true>, 4, "both multi 4 tiles/CTA, L2 prefetch");
+                multi_run(both_multi<8, true>, 8, "both multi 8 tiles/CTA, L2 prefetch");
+                both_run(both_ahead<264>, "both, prefetch 264 CTAs ahead");
+                both_run(both_ahead<528>, "both, prefetch 528 CTAs ahead");
+                both_run(both_ahead<1056>, "both, prefetch 1056 CTAs ahead");
+                both_run(tessera_nvfp4_both_bf16, "both shipped, again");
                 // Persistent, cp.async-pipelined: resident CTAs only, 64 KiB of
                 // dynamic shared memory each.
                 const int pipe_smem = 2 * 8 * 256 * 16;
@@ -333,6 +424,9 @@ static void run_shape(u64 M, u64 K, int normal) {
         a.sr = 0;
         gen(tessera_nvfp4_bf16, "general kernel, rht, both");
         rs(tessera_nvfp4_both_rht_bf16, "both rht (round to nearest)");
+        rs(rht_var<3>, "both rht, 3 CTAs/SM");
+        rs(rht_var<4>, "both rht, 4 CTAs/SM");
+        rs(tessera_nvfp4_both_rht_bf16, "both rht (round to nearest), again");
         a.sr = 1;
         a.rht = 0;
         gen(tessera_nvfp4_bf16, "general kernel, sr, both");

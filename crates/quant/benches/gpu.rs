@@ -202,8 +202,9 @@ fn main() -> Result<()> {
                 .with_stochastic_rounding(Some(Generator::new(3))),
             true,
         )?;
-        // Dequantization to bf16 of each orientation (allocating the output, as
-        // `dequantize_usage` does): the orientation's data and scales read, bf16 written.
+        // Dequantization to bf16 of each orientation into an output allocated once
+        // (`dequantize_into`: the kernel alone): the orientation's data and scales read,
+        // bf16 written.
         let dequantized: [(&str, QuantizedTensor); 4] = [
             (
                 "fp8 current scaling",
@@ -242,9 +243,8 @@ fn main() -> Result<()> {
                     .filter_map(|n| qt.buffer(*n).map(Tensor::size_in_bytes))
                     .sum();
                 let bytes = read + x.size_in_bytes();
-                let ms = time(&dev, b.iters, || {
-                    qt.dequantize_usage(usage, DType::BF16).map(drop)
-                })?;
+                let mut y = Tensor::empty(x.shape().clone(), DType::BF16, x.device())?;
+                let ms = time(&dev, b.iters, || qt.dequantize_into(usage, &mut y))?;
                 b.rows.push(Row {
                     shape: shape.to_string(),
                     name: format!("{name} dequantize {}", usage.name()),

@@ -219,25 +219,33 @@ BLOCK_KERNEL(f16, __half, e5m2, false)
 
 // Dequantization of one orientation; q is [rows, cols] as stored (rowwise [m, k],
 // columnwise [k, m]), y the logical [m, k]. mode: 0 = 1-D rowwise, 1 = 1-D columnwise,
-// 2 = 2-D rowwise, 3 = 2-D columnwise (see block.rs for the scale layouts). Every run of
-// 16 stored bytes shares one scale (blocks of 128 along the stored rows).
-template <class T, bool E4M3>
+// 2 = 2-D rowwise, 3 = 2-D columnwise (see block.rs for the scale layouts); COL (modes
+// 1 and 3) picks fp8_dequant_cols, else fp8_dequant_rows, and their launch. Blocks of
+// 128 along the stored rows keep a scale constant over the runs those ask for. Two
+// entry points, so that neither path's registers limit the other's occupancy.
+template <class T, bool E4M3, bool COL>
 __device__ void block_dequant_impl(const uint8_t* __restrict__ q, const float* __restrict__ s,
                                    T* __restrict__ y, u64 m, u64 k, u64 s_cols, int mode) {
-    fp8_dequant<T, E4M3>(q, y, m, k, mode == 1 || mode == 3, [=](u64 r, u64 c) {
-        switch (mode) {
-            case 0: return s[(c / 128) * s_cols + r];
-            case 1: return s[(r / 128) * s_cols + c];
-            case 2: return s[(r / 128) * s_cols + c / 128];
-            default: return s[(c / 128) * s_cols + r / 128];
-        }
-    });
+    const bool two_d = mode >= 2;
+    if constexpr (COL) {
+        fp8_dequant_cols<T, E4M3>(q, y, m, k, [=](u64 r, u64 c) {
+            return two_d ? s[(c / 128) * s_cols + r / 128] : s[(r / 128) * s_cols + c];
+        });
+    } else {
+        fp8_dequant_rows<T, E4M3>(q, y, m, k, [=](u64 r, u64 c) {
+            return two_d ? s[(r / 128) * s_cols + c / 128] : s[(c / 128) * s_cols + r];
+        });
+    }
 }
 
 #define BLOCK_DEQUANT(SUFFIX, T, FMT, E4M3)                                                    \
     extern "C" __global__ void __launch_bounds__(256) tessera_fp8_block_dequant_##SUFFIX##_##FMT( \
         const uint8_t* q, const float* s, T* y, u64 m, u64 k, u64 s_cols, int mode) {          \
-        block_dequant_impl<T, E4M3>(q, s, y, m, k, s_cols, mode);                              \
+        block_dequant_impl<T, E4M3, false>(q, s, y, m, k, s_cols, mode);                       \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) tessera_fp8_block_dequant_t_##SUFFIX##_##FMT( \
+        const uint8_t* q, const float* s, T* y, u64 m, u64 k, u64 s_cols, int mode) {          \
+        block_dequant_impl<T, E4M3, true>(q, s, y, m, k, s_cols, mode);                        \
     }
 BLOCK_DEQUANT(f32, float, e4m3, true)
 BLOCK_DEQUANT(f32, float, e5m2, false)

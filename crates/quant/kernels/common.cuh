@@ -91,21 +91,17 @@ template <bool E4M3> __device__ __forceinline__ float fp8_to_f32(uint8_t b) {
     return __half2float(__ushort_as_half((unsigned short)(h & 0xFFFF)));
 }
 
-// 16 FP8 bytes (byte j of the vector is element j) to floats, two per conversion.
-template <bool E4M3> __device__ __forceinline__ void fp8x16_to_f32(uint4 raw, float* v) {
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int p = 0; p < 8; ++p) {
-        uint32_t h;
-        const uint16_t in = (uint16_t)(w[p / 2] >> (16 * (p % 2)));
-        if (E4M3) {
-            asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(in));
-        } else {
-            asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h) : "h"(in));
-        }
-        v[2 * p] = __half2float(__ushort_as_half((unsigned short)(h & 0xFFFF)));
-        v[2 * p + 1] = __half2float(__ushort_as_half((unsigned short)(h >> 16)));
+// Two FP8 bytes (bits 0-7 and 8-15 of `two`) to two floats, exactly (through f16x2).
+template <bool E4M3> __device__ __forceinline__ void fp8x2_to_f32(uint32_t two, float* v) {
+    uint32_t h;
+    const uint16_t in = (uint16_t)two;
+    if (E4M3) {
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(in));
+    } else {
+        asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h) : "h"(in));
     }
+    v[0] = __half2float(__ushort_as_half((unsigned short)(h & 0xFFFF)));
+    v[1] = __half2float(__ushort_as_half((unsigned short)(h >> 16)));
 }
 
 // ---- packed pairs of 2-byte inputs ----------------------------------------------------
@@ -267,56 +263,191 @@ template <class T> __device__ __forceinline__ void load16(const T* p, float* v) 
     for (int j = 0; j < 16; ++j) v[j] = In<T>::f32(b.e[j]);
 }
 
-// Stores 16 floats as consecutive elements of T at p (16-byte aligned), rounding to
-// nearest even.
-template <class T> __device__ __forceinline__ void store16(T* p, const float* v) {
-    constexpr int V = 16 / sizeof(T);
-    constexpr int L = 16 / V;
-    union { uint4 u[L]; T e[16]; } b;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) b.e[j] = In<T>::from(v[j]);
-#pragma unroll
-    for (int l = 0; l < L; ++l) reinterpret_cast<uint4*>(p)[l] = b.u[l];
+// ---- dequantizers --------------------------------------------------------------------------
+//
+// A dequantizer writes two or four output bytes per byte it reads, so its stores decide its
+// speed. Measured on an H200 (bench/cuda/dequant_variants.cu, E4M3 to bf16 at 16384x8192,
+// of a copy of the output's size): a thread per 16 values (one 16-byte load, two 16-byte
+// stores, each warp instruction covering every other half of 1 KiB) in a grid capped at
+// four waves, the loop before 2026-12-04, ran at 0.61-0.65, with four such units in
+// flight per thread no better, with a thread for every unit 0.90-0.92; a thread per 8
+// values (an 8-byte load and ONE 16-byte store, 512 contiguous bytes a warp) for every
+// unit at 0.96. So a unit is what one 16-byte store holds (DEQ_VALS values), one unit a
+// thread, the grid covering every unit. The transposed (columnwise) FP8 data goes
+// through shared memory (fp8_dequant_cols).
+
+// Output elements in one 16-byte store: 8 of bf16 or f16, 4 of f32.
+template <class T> constexpr int DEQ_VALS = 16 / (int)sizeof(T);
+
+// a / b and a % b, in 32 bits when both fit (a 64-bit division is a call of about 70
+// instructions).
+struct DivMod {
+    u64 q, r;
+};
+__device__ __forceinline__ DivMod divmod(u64 a, u64 b) {
+    if (((a | b) >> 32) == 0) {
+        const uint32_t q = (uint32_t)a / (uint32_t)b;
+        return {q, (uint32_t)a - q * (uint32_t)b};
+    }
+    return {a / b, a % b};
 }
 
-// Dequantization of one stored FP8 orientation into the row-major [m, k] y: rowwise q is
-// [m, k], columnwise (col) q is its transpose [k, m]. scale(r, c) is the multiplier of
-// logical element (r, c) and must be constant over each run of 16 stored bytes that
-// starts at a multiple of 16 (true of per-tensor scales and of blocks of 32 or 128).
-// When the stored rows are multiples of 16 long a thread takes such a run: one 16-byte
-// load and one scale lookup; rowwise it writes 16 consecutive outputs, columnwise one
-// output column's 16 consecutive rows, neighbouring threads on neighbouring columns so
-// that each of its 16 stores is coalesced across the warp. Otherwise one thread per
-// element. Grid-stride; y = fp8 * scale rounded once to T.
+// The N bytes at p (N = 4 or 8, p N-byte aligned) as little-endian words.
+template <int N> struct Bytes {
+    uint32_t w[N / 4];
+};
+template <int N> __device__ __forceinline__ Bytes<N> load_bytes(const uint8_t* p) {
+    static_assert(N == 4 || N == 8, "a dequantizer unit reads 4 or 8 bytes");
+    Bytes<N> b;
+    if constexpr (N == 8) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        b.w[0] = v.x;
+        b.w[1] = v.y;
+    } else {
+        b.w[0] = *reinterpret_cast<const uint32_t*>(p);
+    }
+    return b;
+}
+
+// The N FP8 bytes of b (byte j is element j) to floats, exactly.
+template <bool E4M3, int N> __device__ __forceinline__ void fp8_bytes_to_f32(const Bytes<N>& b, float* v) {
+#pragma unroll
+    for (int j = 0; j < N; j += 2) fp8x2_to_f32<E4M3>(b.w[j / 4] >> (8 * (j % 4)), v + j);
+}
+
+// One 16-byte store of v to global memory at p (16-byte aligned), spelled out in PTX:
+// where nvcc 13.0 cannot see p's alignment it splits `*reinterpret_cast<uint4*>(p) = v`
+// into four 4-byte stores (the columnwise dequantizer got 32 STG.E for its 8 STG.E.128
+// that way, and ran at half the speed).
+__device__ __forceinline__ void store_global16(void* p, uint4 v) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+// N floats rounded to T (to nearest even) and stored at p (16-byte aligned, global) in
+// 16-byte vectors; N * sizeof(T) a multiple of 16.
+template <int N, class T> __device__ __forceinline__ void store_vec(T* p, const float* v) {
+    static_assert(N * sizeof(T) % 16 == 0, "whole 16-byte vectors");
+    constexpr int L = N * sizeof(T) / 16;
+    union { uint4 u[L]; T e[N]; } b;
+#pragma unroll
+    for (int j = 0; j < N; ++j) b.e[j] = In<T>::from(v[j]);
+#pragma unroll
+    for (int l = 0; l < L; ++l) store_global16(reinterpret_cast<uint4*>(p) + l, b.u[l]);
+}
+
+// Rowwise-ordered FP8 dequantization: q holds y's [m, k] elements in y's order (rowwise
+// FP8 data, and MXFP8's columnwise data, which is not transposed). scale(r, c) is the
+// multiplier of element (r, c) and must be constant over each run of DEQ_VALS<T>
+// elements of a row that starts at a multiple of DEQ_VALS<T> (per-tensor scales, and
+// blocks of 16, 32 or 128). Launch: a thread per unit, ceil(m * k / DEQ_VALS<T>)
+// threads. When k % DEQ_VALS<T> == 0 thread g takes unit g (one 4- or 8-byte load, one
+// scale, one 16-byte store); otherwise the threads stride over single elements.
+// y = fp8 * scale, rounded once to T.
 template <class T, bool E4M3, class Scale>
-__device__ void fp8_dequant(const uint8_t* __restrict__ q, T* __restrict__ y, u64 m, u64 k, bool col,
-                            Scale scale) {
-    const u64 n = m * k;
+__device__ __forceinline__ void fp8_dequant_rows(const uint8_t* __restrict__ q, T* __restrict__ y, u64 m,
+                                                 u64 k, Scale scale) {
+    constexpr int V = DEQ_VALS<T>;
+    const u64 n = m * k, g = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k % V == 0) {
+        if (g >= n / V) return;
+        const DivMod p = divmod(V * g, k);
+        const Bytes<V> b = load_bytes<V>(q + V * g);
+        const float s = scale(p.q, p.r);
+        float v[V];
+        fp8_bytes_to_f32<E4M3>(b, v);
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] = v[j] * s;
+        store_vec<V>(y + V * g, v);
+        return;
+    }
     const u64 stride = (u64)gridDim.x * blockDim.x;
-    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if ((col ? m : k) % 16 == 0) {
-        for (u64 g = tid; g < n / 16; g += stride) {
-            float v[16];
-            if (!col) {
-                const u64 r = 16 * g / k, c = 16 * g % k;
-                fp8x16_to_f32<E4M3>(reinterpret_cast<const uint4*>(q)[g], v);
-                const float si = scale(r, c);
-#pragma unroll
-                for (int j = 0; j < 16; ++j) v[j] = v[j] * si;
-                store16<T>(y + 16 * g, v);
-            } else {
-                const u64 c = g % k, r = 16 * (g / k);
-                fp8x16_to_f32<E4M3>(reinterpret_cast<const uint4*>(q)[c * (m / 16) + g / k], v);
-                const float si = scale(r, c);
-#pragma unroll
-                for (int j = 0; j < 16; ++j) y[(r + j) * k + c] = In<T>::from(v[j] * si);
-            }
+    for (u64 e = g; e < n; e += stride) {
+        const DivMod p = divmod(e, k);
+        y[e] = In<T>::from(fp8_to_f32<E4M3>(q[e]) * scale(p.q, p.r));
+    }
+}
+
+// The shared-memory tile of fp8_dequant_cols: DEQ_TILE_K stored rows (output columns) by
+// DEQ_TILE_M stored columns (output rows), a CTA of 256 threads.
+constexpr int DEQ_TILE_K = 64, DEQ_TILE_M = 256;
+
+// Columnwise FP8 dequantization: q is the [k, m] transpose of y [m, k] (FP8 per-tensor and
+// block columnwise data), scale(r, c) as in fp8_dequant_rows but constant over runs of 4
+// output rows. Launch: one CTA of 256 threads per 64x256 tile of q,
+// ceil(k / 64) * ceil(m / 256) CTAs. When m % 16 == 0 a CTA copies its tile into shared
+// memory (16-byte loads, coalesced along q's rows), then each thread turns 8 q rows x 4 q
+// columns (eight 4-byte shared reads, gathered pairwise with PRMT) into 4 rows x 8
+// columns of y: one 16-byte store a row when k % 8 == 0 (a warp writes 128 contiguous
+// bytes of each of 4 rows). On an H200 this ran at 0.82 of a copy at 16384x8192 and 1.01
+// at 4096x4096, where a thread per 16 q bytes storing down one column (the kernel before
+// 2026-12-04) ran at 0.67 and 0.72, and tiles of 128x128 or 256x64 (longer y rows,
+// shorter q rows) at 0.78 and 0.53 (bench/cuda/dequant_variants.cu). Otherwise a
+// thread per element, striding over the grid.
+template <class T, bool E4M3, class Scale>
+__device__ __forceinline__ void fp8_dequant_cols(const uint8_t* __restrict__ q, T* __restrict__ y, u64 m, u64 k,
+                                                 Scale scale) {
+    const u64 tiles_m = (m + DEQ_TILE_M - 1) / DEQ_TILE_M;
+    if (m % 16 != 0) {
+        const u64 n = m * k, stride = (u64)gridDim.x * blockDim.x;
+        for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += stride) {
+            const DivMod p = divmod(e, k);
+            y[e] = In<T>::from(fp8_to_f32<E4M3>(q[p.r * m + p.q]) * scale(p.q, p.r));
         }
         return;
     }
-    for (u64 e = tid; e < n; e += stride) {
-        const u64 r = e / k, c = e % k;
-        y[e] = In<T>::from(fp8_to_f32<E4M3>(q[col ? c * m + r : e]) * scale(r, c));
+    // Row j of the tile holds its 256 bytes as 64 words, word w at w ^ swz(j): with
+    // swz(j) = 4 * ((j / 8) % 8) the eight 8-row groups a warp reads at once (below) sit
+    // in different banks, and each 16-byte copy stays whole and aligned.
+    __shared__ __align__(16) uint32_t tile[DEQ_TILE_K][DEQ_TILE_M / 4];
+    auto swz = [](int j) { return 4 * ((j / 8) % 8); };
+    // The launch has a CTA per tile, so tiles_m < 2^32.
+    const uint32_t tm = (uint32_t)tiles_m;
+    const u64 k0 = (u64)(blockIdx.x / tm) * DEQ_TILE_K, m0 = (u64)(blockIdx.x % tm) * DEQ_TILE_M;
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int j = tid / 16 + 16 * i, ch = tid % 16;
+        uint4 v = {0, 0, 0, 0};
+        if (k0 + j < k && m0 + 16 * ch < m) v = *reinterpret_cast<const uint4*>(q + (k0 + j) * m + m0 + 16 * ch);
+        *reinterpret_cast<uint4*>(&tile[j][(4 * ch) ^ swz(j)]) = v;
+    }
+    __syncthreads();
+    // Thread -> (kg: q rows 8 kg .. + 7, mq: q columns 4 mq .. + 3) for 8 x 64 pairs in two
+    // passes; a warp takes all 8 kg by 4 mq (128 contiguous bytes of each y row it
+    // writes), and its 8-row groups differ in swz.
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+        const int idx = tid + 256 * pass, kg = idx % 8, mq = idx / 8;
+        const u64 r0 = m0 + 4 * mq, c0 = k0 + 8 * kg;
+        if (r0 >= m || c0 >= k) continue;
+        T* out = y + r0 * k + c0;
+        uint32_t w[8];
+        float s[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            w[j] = tile[8 * kg + j][mq ^ swz(8 * kg + j)];
+            s[j] = scale(r0, c0 + j < k ? c0 + j : k - 1);  // in bounds; unused past k
+        }
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const uint32_t sel = b | ((4 + b) << 4);
+            float v[8];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                fp8x2_to_f32<E4M3>(__byte_perm(w[2 * p], w[2 * p + 1], sel), v + 2 * p);
+                v[2 * p] = v[2 * p] * s[2 * p];
+                v[2 * p + 1] = v[2 * p + 1] * s[2 * p + 1];
+            }
+            T* row = out + b * k;
+            if (k % 8 == 0) {
+                store_vec<8>(row, v);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    if (c0 + j < k) row[j] = In<T>::from(v[j]);
+            }
+        }
     }
 }
 

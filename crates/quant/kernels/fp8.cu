@@ -198,32 +198,27 @@ CAST(f16, __half, e5m2, false)
 
 // ---- dequantize ----------------------------------------------------------------------
 
-// y = decode(q) * scale_inv[0], rowwise; NaN results are the canonical NaN. Thread per
-// 16 elements (one 16-byte load, 16-byte stores); the last n % 16 one per thread.
+// y = decode(q) * scale_inv[0], rowwise, any n; NaN results are the canonical NaN. The
+// whole units as one row (fp8_dequant_rows), then the last n % DEQ_VALS<T> elements one
+// per thread. Launch: max(ceil(n / DEQ_VALS<T>), DEQ_VALS<T>) threads.
 template <class T, bool E4M3>
 __device__ void dequant_impl(const uint8_t* __restrict__ q, T* __restrict__ y, u64 n,
                              const float* __restrict__ scale_inv) {
+    constexpr int V = DEQ_VALS<T>;
     const float s = scale_inv[0];
-    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    const u64 stride = (u64)gridDim.x * blockDim.x;
-    for (u64 g = tid; g < n / 16; g += stride) {
-        float v[16];
-        fp8x16_to_f32<E4M3>(reinterpret_cast<const uint4*>(q)[g], v);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) v[j] = v[j] * s;
-        store16<T>(y + 16 * g, v);
-    }
-    const u64 i = n / 16 * 16 + tid;
+    const u64 whole = n / V * V;
+    fp8_dequant_rows<T, E4M3>(q, y, 1, whole, [=](u64, u64) { return s; });
+    const u64 i = whole + (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = In<T>::from(fp8_to_f32<E4M3>(q[i]) * s);
 }
 
 // The columnwise operand: q is the transposed [k, m] copy, y the logical [m, k], without
-// a separate transpose.
+// a separate transpose (fp8_dequant_cols; its launch).
 template <class T, bool E4M3>
 __device__ void dequant_transposed_impl(const uint8_t* __restrict__ q, T* __restrict__ y, u64 m, u64 k,
                                         const float* __restrict__ scale_inv) {
     const float s = scale_inv[0];
-    fp8_dequant<T, E4M3>(q, y, m, k, true, [=](u64, u64) { return s; });
+    fp8_dequant_cols<T, E4M3>(q, y, m, k, [=](u64, u64) { return s; });
 }
 
 #define DEQUANT(SUFFIX, T, FMT, E4M3)                                                          \

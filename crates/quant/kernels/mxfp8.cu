@@ -275,34 +275,44 @@ MXFP8(bf16, __nv_bfloat16, e5m2, false)
 MXFP8(f16, __half, e4m3, true)
 MXFP8(f16, __half, e5m2, false)
 
-// Dequantization of rowwise (col = 0) or columnwise (col = 1) MXFP8 data [m, k] with a
-// compact or swizzled scale buffer. Thread per run of 16 elements of a row (k % 32 == 0,
-// so a run stays inside one 1x32 block): one 16-byte load, 16-byte stores; one scale
-// rowwise, the 16 columns' scales columnwise.
+// Dequantization of rowwise (col = 0) or columnwise (col = 1) MXFP8 data [m, k] (the
+// columnwise data is not transposed) with a compact or swizzled scale buffer. k % 32 == 0,
+// so a unit of DEQ_VALS<T> elements of a row stays inside one 1x32 block: rowwise it has
+// one scale (fp8_dequant_rows); columnwise each of its columns has its own, loaded as
+// one 8- or 4-byte word from a compact grid (rows padded to a multiple of 128 bytes),
+// else byte by byte. Launch: a thread per unit, m * k / DEQ_VALS<T> threads.
 template <class T, bool E4M3>
 __device__ void mxfp8_dequant_impl(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                    T* __restrict__ y, u64 m, u64 k, u64 s_rows, u64 s_cols,
                                    int col, int swizzled) {
-    const u64 runs = m * k / 16;
-    const u64 stride = (u64)gridDim.x * blockDim.x;
-    for (u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x; g < runs; g += stride) {
-        const u64 r = 16 * g / k, c = 16 * g % k;
-        float v[16];
-        fp8x16_to_f32<E4M3>(reinterpret_cast<const uint4*>(q)[g], v);
-        if (col) {
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                const u64 cj = c + j;
-                const u64 si = swizzled ? swizzled_index(cj, r / 32, s_rows) : (r / 32) * s_cols + cj;
-                v[j] = v[j] * e8m0_value(s[si]);
-            }
-        } else {
-            const float sc = e8m0_value(s[scale_index(r, c / 32, s_cols, swizzled)]);
-#pragma unroll
-            for (int j = 0; j < 16; ++j) v[j] = v[j] * sc;
-        }
-        store16<T>(y + 16 * g, v);
+    if (!col) {
+        fp8_dequant_rows<T, E4M3>(q, y, m, k, [=](u64 r, u64 c) {
+            return e8m0_value(s[scale_index(r, c / 32, s_cols, swizzled)]);
+        });
+        return;
     }
+    constexpr int V = DEQ_VALS<T>;
+    const u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= m * k / V) return;
+    const DivMod p = divmod(V * g, k);
+    const u64 r = p.q, c = p.r;
+    const Bytes<V> b = load_bytes<V>(q + V * g);
+    union {
+        Bytes<V> w;
+        uint8_t b[V];
+    } e;
+    if (!swizzled && s_cols % V == 0) {
+        e.w = load_bytes<V>(s + (r / 32) * s_cols + c);
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            e.b[j] = s[swizzled ? swizzled_index(c + j, r / 32, s_rows) : (r / 32) * s_cols + c + j];
+    }
+    float v[V];
+    fp8_bytes_to_f32<E4M3>(b, v);
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = v[j] * e8m0_value(e.b[j]);
+    store_vec<V>(y + V * g, v);
 }
 
 #define MXFP8_DEQUANT(SUFFIX, T, FMT, E4M3)                                                    \

@@ -1020,65 +1020,68 @@ NVFP4(f32, float)
 NVFP4(bf16, __nv_bfloat16)
 NVFP4(f16, __half)
 
-// CTAs per SM of the RHT / stochastic-rounding both kernels.
+// CTAs per SM of the stochastic-rounding both kernels (80 registers; at 64 they spill).
 #ifndef NVFP4_RS_MINB
 #define NVFP4_RS_MINB 3
 #endif
-#define NVFP4_RS(SUFFIX, T, NAME, RHT, SR)                                                      \
-    extern "C" __global__ void __launch_bounds__(256, NVFP4_RS_MINB) tessera_nvfp4_both_##NAME##_##SUFFIX( \
+// CTAs per SM of the RHT-only both kernel: it fits 64 registers without spilling, and on
+// an H200 4 CTAs per SM took 0.1713 ms against 0.1732 with 3 at 16384x8192 and 0.0262
+// against 0.0268-0.0270 at 4096x4096 (nvfp4-variants-h200-2026-12-04-pf.txt).
+#ifndef NVFP4_RHT_MINB
+#define NVFP4_RHT_MINB 4
+#endif
+#define NVFP4_RS(SUFFIX, T, NAME, RHT, SR, MINB)                                                \
+    extern "C" __global__ void __launch_bounds__(256, MINB) tessera_nvfp4_both_##NAME##_##SUFFIX( \
         const T* __restrict__ x, const Nvfp4Args a) {                                            \
         nvfp4_both_impl<T, RHT, SR>(x, a);                                                       \
     }
 #define NVFP4_RS_ALL(SUFFIX, T)                                                                 \
-    NVFP4_RS(SUFFIX, T, rht, true, false)                                                        \
-    NVFP4_RS(SUFFIX, T, sr, false, true)                                                         \
-    NVFP4_RS(SUFFIX, T, rht_sr, true, true)
+    NVFP4_RS(SUFFIX, T, rht, true, false, NVFP4_RHT_MINB)                                        \
+    NVFP4_RS(SUFFIX, T, sr, false, true, NVFP4_RS_MINB)                                          \
+    NVFP4_RS(SUFFIX, T, rht_sr, true, true, NVFP4_RS_MINB)
 NVFP4_RS_ALL(bf16, __nv_bfloat16)
 NVFP4_RS_ALL(f16, __half)
 
 // ---- dequantize -------------------------------------------------------------------------
 
-// value = e2m1 * ((e4m3 * A) * fp32(1/2688)). Rowwise (col = 0): thread per 1x16 block
-// of [m, k]. Columnwise (col = 1): thread per run of 16 along m of one column k, inverse RHT
-// when rht, written to y[m, k].
+// value = e2m1 * ((e4m3 * A) * fp32(1/2688)). Rowwise (col = 0): a thread per unit of
+// DEQ_VALS<T> elements of a row (k % 16 == 0, so inside one 1x16 block): one 4- or 2-byte
+// load, one scale, one 16-byte store; m * k / DEQ_VALS<T> threads. Columnwise (col = 1):
+// q is the [k, m] transpose; a thread per 16-element block along m of one column k
+// (inverse RHT when rht) written down that column, neighbouring threads on neighbouring
+// columns; k * m / 16 threads.
 template <class T>
 __device__ void nvfp4_dequant_impl(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                    const float* __restrict__ amax, T* __restrict__ y, u64 m, u64 k,
                                    u64 s_cols, int col, int rht, int swizzled) {
     const float A = amax[0];
-    const u64 stride = (u64)gridDim.x * blockDim.x;
+    const u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    auto block_scale = [&](uint8_t e) { return __fmul_rn(__fmul_rn(fp8_to_f32<true>(e), A), 1.0f / 2688.0f); };
     if (!col) {
-        // Thread per 1x16 block: one 8-byte load, 16-byte stores.
-        for (u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x; g < m * k / 16; g += stride) {
-            const u64 r = 16 * g / k, c = 16 * g % k;
-            const uint2 w = reinterpret_cast<const uint2*>(q)[g];
-            const u64 si = scale_index(r, c / 16, s_cols, swizzled);
-            const float sc = __fmul_rn(__fmul_rn(fp8_to_f32<true>(s[si]), A), 1.0f / 2688.0f);
-            float v[16];
-            e2m1x16_values(w, sc, v);
-            store16<T>(y + 16 * g, v);
-        }
+        constexpr int V = DEQ_VALS<T>;
+        if (g >= m * k / V) return;
+        const DivMod p = divmod(V * g, k);
+        const uint32_t w = V == 8 ? reinterpret_cast<const uint32_t*>(q)[g] : reinterpret_cast<const uint16_t*>(q)[g];
+        const float sc = block_scale(s[scale_index(p.q, p.r / 16, s_cols, swizzled)]);
+        float v[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] = __fmul_rn(e2m1_value((w >> (4 * j)) & 0xFu), sc);
+        store_vec<V>(y + V * g, v);
         return;
     }
-    const u64 runs = (m / 16) * k;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < runs; i += stride) {
-        const u64 c = i % k, run = i / k;
-        const u64 si = scale_index(c, run, s_cols, swizzled);
-        const float sc = __fmul_rn(__fmul_rn(fp8_to_f32<true>(s[si]), A), 1.0f / 2688.0f);
-        // The run is the 16-element block at element c * m + 16 * run of the transposed
-        // operand: 8 bytes, 8-byte aligned (m % 16 == 0).
-        const uint2 w = reinterpret_cast<const uint2*>(q)[(c * m) / 16 + run];
-        float v[16], o[16];
-        e2m1x16_values(w, sc, v);
-        if (rht) {
-            inverse_rht16(v, o);
-        } else {
+    if (g >= k * (m / 16)) return;
+    const DivMod p = divmod(g, k);  // (16-element run along m, column)
+    const uint2 w = reinterpret_cast<const uint2*>(q)[(p.r * m) / 16 + p.q];
+    float v[16], o[16];
+    e2m1x16_values(w, block_scale(s[scale_index(p.r, p.q, s_cols, swizzled)]), v);
+    if (rht) {
+        inverse_rht16(v, o);
+    } else {
 #pragma unroll
-            for (int t = 0; t < 16; ++t) o[t] = v[t];
-        }
-#pragma unroll
-        for (int t = 0; t < 16; ++t) y[(run * 16 + t) * k + c] = In<T>::from(o[t]);
+        for (int t = 0; t < 16; ++t) o[t] = v[t];
     }
+#pragma unroll
+    for (int t = 0; t < 16; ++t) y[(p.q * 16 + t) * k + p.r] = In<T>::from(o[t]);
 }
 
 #define NVFP4_DEQUANT(SUFFIX, T)                                                                \

@@ -167,18 +167,21 @@ pub fn buffer_specs(kind: &Kind, shape: &Shape) -> Result<Vec<BufferSpec>> {
     })
 }
 
+/// Whether `usage` names the columnwise orientation; `Both` names none, and is refused.
+pub(crate) fn dequantized_orientation(usage: Usage) -> Result<bool> {
+    match usage {
+        Usage::Rowwise => Ok(false),
+        Usage::Columnwise => Ok(true),
+        Usage::Both => Err(Error::invalid(
+            "dequantize",
+            "choose one orientation: rowwise or columnwise",
+        )),
+    }
+}
+
 /// Dequantized f32 values of one orientation of a host tensor, in logical order.
 pub(crate) fn dequantize_values(qt: &QuantizedTensor, usage: Usage) -> Result<Vec<f32>> {
-    let columnwise = match usage {
-        Usage::Rowwise => false,
-        Usage::Columnwise => true,
-        Usage::Both => {
-            return Err(Error::invalid(
-                "dequantize",
-                "choose one orientation: rowwise or columnwise",
-            ));
-        }
-    };
+    let columnwise = dequantized_orientation(usage)?;
     match qt.kind {
         Kind::Fp8 { format } => fp8::dequantize(qt, format, columnwise),
         Kind::Mxfp8 {

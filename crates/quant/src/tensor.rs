@@ -385,70 +385,86 @@ impl QuantizedTensor {
             return Err(Error::dtype(OP, "f32, bf16 or f16", dtype));
         }
         if self.device().is_cuda() {
-            return self.dequantize_cuda(usage, dtype);
+            let mut out = Tensor::empty(self.shape.clone(), dtype, self.device())?;
+            self.dequantize_cuda(usage, &mut out)?;
+            return Ok(out);
         }
         let values = crate::dequantize_values(self, usage)?;
         crate::values::from_f32(&values, &self.shape, dtype)
     }
-}
 
-impl QuantizedTensor {
+    /// Dequantizes one orientation into `out`, a tensor of the logical shape on this
+    /// tensor's device whose dtype (f32, bf16 or f16) is the one produced: what
+    /// [`dequantize_usage`](Self::dequantize_usage) does, without allocating (on a CUDA
+    /// device, one kernel launch and nothing else).
+    pub fn dequantize_into(&self, usage: Usage, out: &mut Tensor) -> Result<()> {
+        const OP: &str = "QuantizedTensor::dequantize_into";
+        if !out.dtype().is_high_precision_float() {
+            return Err(Error::dtype(OP, "f32, bf16 or f16", out.dtype()));
+        }
+        if out.shape() != &self.shape {
+            return Err(Error::shape(
+                OP,
+                format!(
+                    "an output of shape {} for a tensor of shape {} (expected the same shape)",
+                    out.shape(),
+                    self.shape
+                ),
+            ));
+        }
+        if out.device() != self.device() {
+            return Err(Error::device(
+                OP,
+                format!("the quantized tensor's device, {}", self.device()),
+                out.device(),
+            ));
+        }
+        if self.device().is_cuda() {
+            return self.dequantize_cuda(usage, out);
+        }
+        let values = crate::dequantize_values(self, usage)?;
+        let t = crate::values::from_f32(&values, &self.shape, out.dtype())?;
+        out.as_bytes_mut()?.copy_from_slice(t.as_bytes()?);
+        Ok(())
+    }
+
     #[cfg(feature = "cuda")]
-    fn dequantize_cuda(&self, usage: Usage, dtype: DType) -> Result<Tensor> {
+    fn dequantize_cuda(&self, usage: Usage, out: &mut Tensor) -> Result<()> {
         let missing = crate::fp8::missing;
+        let columnwise = crate::dequantized_orientation(usage)?;
         match self.kind {
             Kind::Fp8 { format } => {
                 let scale_inv = self
                     .buffers
                     .get(&BufferName::ScaleInv)
                     .ok_or_else(|| missing(BufferName::ScaleInv))?;
-                if usage == Usage::Columnwise {
+                if columnwise {
                     let ct = self
                         .buffers
                         .get(&BufferName::ColumnwiseData)
                         .ok_or_else(|| missing(BufferName::ColumnwiseData))?;
-                    return crate::cuda::fp8::dequantize_transposed(
-                        ct,
-                        scale_inv,
-                        format,
-                        dtype,
-                        &self.shape,
-                    );
+                    return crate::cuda::fp8::dequantize_transposed(ct, scale_inv, format, out);
                 }
                 let data = self
                     .buffers
                     .get(&BufferName::Data)
                     .ok_or_else(|| missing(BufferName::Data))?;
-                crate::cuda::fp8::dequantize(data, scale_inv, format, dtype)
+                crate::cuda::fp8::dequantize(data, scale_inv, format, out)
             }
             Kind::Mxfp8 {
                 format, swizzled, ..
-            } => crate::cuda::mxfp8::dequantize(
-                self,
-                format,
-                swizzled,
-                usage == Usage::Columnwise,
-                dtype,
-            ),
-            Kind::Fp8Block { format, block_dim } => crate::cuda::block::dequantize(
-                self,
-                format,
-                block_dim,
-                usage == Usage::Columnwise,
-                dtype,
-            ),
-            Kind::Nvfp4 { rht, swizzled, .. } => crate::cuda::nvfp4::dequantize(
-                self,
-                rht,
-                swizzled,
-                usage == Usage::Columnwise,
-                dtype,
-            ),
+            } => crate::cuda::mxfp8::dequantize(self, format, swizzled, columnwise, out),
+            Kind::Fp8Block { format, block_dim } => {
+                crate::cuda::block::dequantize(self, format, block_dim, columnwise, out)
+            }
+            Kind::Nvfp4 { rht, swizzled, .. } => {
+                crate::cuda::nvfp4::dequantize(self, rht, swizzled, columnwise, out)
+            }
         }
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn dequantize_cuda(&self, _usage: Usage, _dtype: DType) -> Result<Tensor> {
+    fn dequantize_cuda(&self, _usage: Usage, _out: &mut Tensor) -> Result<()> {
         Err(Error::no_cuda_feature("dequantizing a CUDA tensor"))
     }
 }

@@ -1,6 +1,6 @@
 //! The quantizer API: `make_empty` against `quantize`, shape rules (`check_shape`,
 //! `is_quantizable`), typed errors for bad input, `QuantizedTensor::from_buffers`
-//! validation, and the dequantize entry points.
+//! validation, and the dequantize entry points (`dequantize_into` among them).
 
 use std::collections::BTreeMap;
 
@@ -502,6 +502,49 @@ fn dequantize_entry_points() {
             .to_bytes()
             .unwrap()
     );
+}
+
+/// `dequantize_into` writes exactly what `dequantize_usage` returns, over a poisoned
+/// output, for every format, orientation and output dtype; a wrong output shape or dtype,
+/// or no single orientation, is a typed error that names what was expected.
+#[test]
+fn dequantize_into_matches_dequantize_usage() {
+    for (name, make, shapes) in quantizers() {
+        for dims in &shapes {
+            let q = make(Usage::Both)
+                .quantize(&input(dims, DType::BF16))
+                .unwrap();
+            for usage in [Usage::Rowwise, Usage::Columnwise] {
+                for dtype in [DType::F32, DType::BF16, DType::F16] {
+                    let want = q.dequantize_usage(usage, dtype).unwrap();
+                    let mut out =
+                        Tensor::filled_with_byte(dims.as_slice(), dtype, Device::Cpu, 0xA5)
+                            .unwrap();
+                    q.dequantize_into(usage, &mut out).unwrap();
+                    assert_eq!(
+                        out.to_bytes().unwrap(),
+                        want.to_bytes().unwrap(),
+                        "{name} {dims:?} {usage:?} {dtype}"
+                    );
+                }
+            }
+        }
+    }
+    let q = mx_tensor(Usage::Both);
+    let mut wrong_shape = Tensor::zeros([32, 32], DType::F32, Device::Cpu).unwrap();
+    let e = q
+        .dequantize_into(Usage::Rowwise, &mut wrong_shape)
+        .unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }), "{e}");
+    assert!(e.to_string().contains("expected the same shape"), "{e}");
+    let mut wrong_dtype = Tensor::zeros(q.shape().clone(), DType::U8, Device::Cpu).unwrap();
+    let e = q
+        .dequantize_into(Usage::Rowwise, &mut wrong_dtype)
+        .unwrap_err();
+    assert!(matches!(e, Error::DType { .. }), "{e}");
+    let mut out = Tensor::zeros(q.shape().clone(), DType::F32, Device::Cpu).unwrap();
+    let e = q.dequantize_into(Usage::Both, &mut out).unwrap_err();
+    assert!(e.to_string().contains("choose one orientation"), "{e}");
 }
 
 #[test]

@@ -142,7 +142,8 @@ fn poisoned_output(q: &dyn Quantizer, x: &Tensor) -> QuantizedTensor {
 }
 
 /// Quantizes on the CPU, on the GPU, and on the GPU into a poisoned output; all three
-/// must agree byte for byte, and so must the dequantized values of each orientation.
+/// must agree byte for byte, and so must the dequantized values of each orientation (also
+/// when written into an output poisoned with 0xFF bytes, so an unwritten element shows).
 ///
 /// Each call quantizes with a clone of `q`, so quantizers whose state advances per call
 /// (NVFP4's stochastic-rounding generator) draw the same bits every time.
@@ -171,6 +172,13 @@ fn check_quantizer<Q: Quantizer + Clone>(q: &mut Q, x: &Tensor, what: &str) {
                 d_gpu.to_bytes().unwrap(),
                 d_cpu,
                 "{what}: dequantize {u:?} to {dt}"
+            );
+            let mut out = Tensor::filled_with_byte(x.shape().clone(), dt, GPU, 0xFF).unwrap();
+            gpu.dequantize_into(u, &mut out).unwrap();
+            assert_eq!(
+                out.to_bytes().unwrap(),
+                d_cpu,
+                "{what}: dequantize {u:?} to {dt} (into a poisoned output)"
             );
         }
     }
@@ -668,6 +676,55 @@ fn nvfp4_matches_the_cpu() {
                 }
             }
         }
+    }
+}
+
+/// Every format's dequantization, both orientations, equal to the CPU's bytes on tensors of
+/// millions of elements, whose shapes are not multiples of the columnwise FP8 tiles (64
+/// stored rows by 256 stored columns: [8640, 8224] and [6176, 4192] leave partial tiles at
+/// both edges) and whose threads' positions cross many rows. (The small shapes of the other
+/// tests reach the ragged paths: m % 16 != 0, k % 8 != 0.)
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn dequantizers_match_the_cpu_on_large_ragged_tiles() {
+    require_gpu();
+    let x = input(&[8640, 8224], DType::BF16, 71);
+    check_quantizer(
+        &mut Fp8CurrentScaling::new(Fp8Format::E4M3).with_usage(Usage::Both),
+        &x,
+        "current [8640, 8224]",
+    );
+    // An output on another device than the data is refused.
+    let q = Fp8CurrentScaling::new(Fp8Format::E4M3)
+        .quantize(&x.to_device(GPU).unwrap())
+        .unwrap();
+    let mut host = Tensor::zeros(x.shape().clone(), DType::BF16, Device::Cpu).unwrap();
+    let e = q.dequantize_into(Usage::Rowwise, &mut host).unwrap_err();
+    assert!(matches!(e, tessera_core::Error::Device { .. }), "{e}");
+    let x = input(&[6176, 4192], DType::BF16, 72);
+    for swizzled in [false, true] {
+        check_quantizer(
+            &mut Mxfp8Quantizer::new(Fp8Format::E4M3)
+                .with_swizzled_scales(swizzled)
+                .with_usage(Usage::Both),
+            &x,
+            &format!("mxfp8 [6176, 4192] swizzled={swizzled}"),
+        );
+        check_quantizer(
+            &mut Nvfp4Quantizer::new()
+                .with_rht(!swizzled)
+                .with_swizzled_scales(swizzled)
+                .with_usage(Usage::Both),
+            &x,
+            &format!("nvfp4 [6176, 4192] rht={} swizzled={swizzled}", !swizzled),
+        );
+    }
+    for dim in [BlockDim::OneD, BlockDim::TwoD] {
+        check_quantizer(
+            &mut Fp8BlockQuantizer::new(Fp8Format::E4M3, dim).with_usage(Usage::Both),
+            &x,
+            &format!("fp8-block [6176, 4192] {dim:?}"),
+        );
     }
 }
 

@@ -1,12 +1,11 @@
 //! FP8 block scaling on the device.
 
 use cudarc::driver::PushKernelArg;
-use tessera_core::cuda::grid_1d;
-use tessera_core::{DType, Result, Tensor};
+use tessera_core::{Result, Tensor};
 
 use super::{
-    BLOCK, BLOCK_PTX, Outputs, arg_or_null, device_of, dtype_suffix, format_suffix, launch,
-    tile_grid,
+    BLOCK_PTX, Outputs, arg_or_null, dequant_cols_grid, dequant_units_grid, dequant_vals,
+    device_of, dtype_suffix, format_suffix, launch, tile_grid,
 };
 use crate::block::BlockScaling;
 use crate::values::check_input;
@@ -91,8 +90,9 @@ pub(crate) fn dequantize(
     format: crate::Fp8Format,
     dim: BlockDim,
     columnwise: bool,
-    dtype: DType,
-) -> Result<Tensor> {
+    y: &mut Tensor,
+) -> Result<()> {
+    let dtype = y.dtype();
     const OP: &str = "cuda fp8 block dequantize";
     let (m, k) = qt.shape().flat_2d();
     let (dn, sn) = if columnwise {
@@ -103,11 +103,11 @@ pub(crate) fn dequantize(
     let q = qt.buffer(dn).ok_or_else(|| crate::fp8::missing(dn))?;
     let s = qt.buffer(sn).ok_or_else(|| crate::fp8::missing(sn))?;
     let dev = device_of(q)?;
-    let mut y = Tensor::empty(qt.shape(), dtype, q.device())?;
     let f = dev.function(
         &BLOCK_PTX,
         &format!(
-            "tessera_fp8_block_dequant_{}_{}",
+            "tessera_fp8_block_dequant_{}{}_{}",
+            if columnwise { "t_" } else { "" },
             dtype_suffix(OP, dtype)?,
             format_suffix(format)
         ),
@@ -119,9 +119,13 @@ pub(crate) fn dequantize(
         (BlockDim::TwoD, true) => 3,
     };
     let a = [m as u64, k as u64, s.shape().dims()[1] as u64];
-    // Thread per run of 16 stored bytes where runs fit the stored rows, else per element
-    // (grid-stride either way).
-    let cfg = grid_1d(&dev, m * k, BLOCK)?;
+    // Columnwise a CTA per 64x256 tile of the stored [k, m]; rowwise a thread per unit
+    // (each striding per element where the stored rows do not split into vectors).
+    let cfg = if columnwise {
+        dequant_cols_grid(m, k)?
+    } else {
+        dequant_units_grid((m * k).div_ceil(dequant_vals(dtype)))?
+    };
     let ys = y.cuda_slice_mut()?;
     // SAFETY: (const u8* q, const float* s, T* y, u64 m, u64 k, u64 s_cols, int mode): q
     // holds m*k bytes in its stored orientation, s its padded grid, y m*k elements.
@@ -136,5 +140,5 @@ pub(crate) fn dequantize(
             b.arg(&mode);
         })
     }?;
-    Ok(y)
+    Ok(())
 }

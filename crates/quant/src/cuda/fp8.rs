@@ -2,11 +2,11 @@
 
 use cudarc::driver::{DeviceRepr, PushKernelArg};
 use tessera_core::cuda::{CudaDevice, grid_1d};
-use tessera_core::{DType, Error, Result, Shape, Tensor};
+use tessera_core::{DType, Error, Result, Tensor};
 
 use super::{
-    BLOCK, FP8_PTX, Order, Params, device_addr, device_of, dtype_suffix, format_suffix, launch,
-    launch_params, tile_grid,
+    BLOCK, FP8_PTX, Order, Params, dequant_cols_grid, dequant_units_grid, dequant_vals,
+    device_addr, device_of, dtype_suffix, format_suffix, launch, launch_params, tile_grid,
 };
 use crate::values::check_input;
 use crate::{BufferName, Fp8Format, QuantizedTensor};
@@ -158,16 +158,17 @@ pub(crate) fn cast_into(
     Ok(())
 }
 
-/// Dequantizes rowwise FP8 bytes `q` (any shape) with `scale_inv` into `dtype`.
+/// Dequantizes rowwise FP8 bytes `q` with `scale_inv` into `y` (as many elements, of
+/// f32, bf16 or f16).
 pub(crate) fn dequantize(
     q: &Tensor,
     scale_inv: &Tensor,
     format: Fp8Format,
-    dtype: DType,
-) -> Result<Tensor> {
+    y: &mut Tensor,
+) -> Result<()> {
     const OP: &str = "cuda fp8 dequantize";
     let dev = device_of(q)?;
-    let mut y = Tensor::empty(q.shape(), dtype, q.device())?;
+    let dtype = y.dtype();
     let f = dev.function(
         &FP8_PTX,
         &format!(
@@ -177,8 +178,9 @@ pub(crate) fn dequantize(
         ),
     )?;
     let n = q.numel() as u64;
-    // Thread per 16 elements; at least 16 threads for the last n % 16.
-    let cfg = grid_1d(&dev, (q.numel() / 16).max(16), BLOCK)?;
+    // Thread per unit of `v` elements, and at least `v` threads for the last n % v.
+    let v = dequant_vals(dtype);
+    let cfg = dequant_units_grid(q.numel().div_ceil(v).max(v))?;
     let ys = y.cuda_slice_mut()?;
     // SAFETY: (const u8* q, T* y, u64 n, const float* scale_inv): q n bytes, y n elements
     // of T, scale_inv one float.
@@ -190,19 +192,20 @@ pub(crate) fn dequantize(
                 .arg(scale_inv.cuda_slice().expect("device tensor"));
         })
     }?;
-    Ok(y)
+    Ok(())
 }
 
 /// Dequantizes the transposed columnwise FP8 data `qt` (`[k, m]` bytes) of an `[m, k]`
-/// tensor straight into `[m, k]` elements of `dtype` (no separate transpose).
+/// tensor straight into `y`, `[m, k]` elements of f32, bf16 or f16 (no separate
+/// transpose).
 pub(crate) fn dequantize_transposed(
     qt: &Tensor,
     scale_inv: &Tensor,
     format: Fp8Format,
-    dtype: DType,
-    shape: &Shape,
-) -> Result<Tensor> {
+    y: &mut Tensor,
+) -> Result<()> {
     const OP: &str = "cuda fp8 dequantize columnwise";
+    let (shape, dtype) = (y.shape().clone(), y.dtype());
     let (m, k) = shape.flat_2d();
     if qt.numel() != m * k {
         return Err(Error::shape(
@@ -215,7 +218,6 @@ pub(crate) fn dequantize_transposed(
         ));
     }
     let dev = device_of(qt)?;
-    let mut y = Tensor::empty(shape, dtype, qt.device())?;
     let f = dev.function(
         &FP8_PTX,
         &format!(
@@ -225,8 +227,8 @@ pub(crate) fn dequantize_transposed(
         ),
     )?;
     let (mu, ku) = (m as u64, k as u64);
-    // Thread per run of 16 stored bytes (per element when m % 16 != 0; grid-stride).
-    let cfg = grid_1d(&dev, m * k, BLOCK)?;
+    // A CTA per 64x256 tile of the stored [k, m] (striding per element when m % 16 != 0).
+    let cfg = dequant_cols_grid(m, k)?;
     let ys = y.cuda_slice_mut()?;
     // SAFETY: (const u8* q, T* y, u64 m, u64 k, const float* scale_inv): q holds the
     // m*k bytes of the [k, m] transpose (checked above), y m*k elements of T, scale_inv
@@ -240,5 +242,5 @@ pub(crate) fn dequantize_transposed(
                 .arg(scale_inv.cuda_slice().expect("device tensor"));
         })
     }?;
-    Ok(y)
+    Ok(())
 }

@@ -68,6 +68,46 @@ pub(crate) fn format_suffix(f: Fp8Format) -> &'static str {
     f.name()
 }
 
+/// Output elements a dequantizing thread writes with one 16-byte store (`DEQ_VALS` in
+/// `common.cuh`): 8 of bf16 or f16, 4 of f32.
+pub(crate) fn dequant_vals(dtype: DType) -> usize {
+    16 / dtype.size_in_bytes()
+}
+
+/// The launch of a dequantizer that gives each thread one unit of work and does not
+/// stride (`fp8_dequant_rows` and its kin): the grid covers all `units`.
+pub(crate) fn dequant_units_grid(units: usize) -> Result<LaunchConfig> {
+    covering("cuda dequantize", units.div_ceil(BLOCK as usize))
+}
+
+/// The launch of `fp8_dequant_cols` for a stored `[k, m]` operand: a CTA per tile of 64
+/// stored rows by 256 stored columns (`DEQ_TILE_K`, `DEQ_TILE_M` in `common.cuh`).
+pub(crate) fn dequant_cols_grid(m: usize, k: usize) -> Result<LaunchConfig> {
+    covering(
+        "cuda dequantize columnwise",
+        k.div_ceil(64) * m.div_ceil(256),
+    )
+}
+
+/// `blocks` CTAs of `BLOCK` threads on a 1-D grid, refused past the grid's limit (the
+/// kernels launched this way do not stride, so a capped grid would leave work undone).
+fn covering(op: &'static str, blocks: usize) -> Result<LaunchConfig> {
+    let blocks = u32::try_from(blocks.max(1)).map_err(|_| {
+        Error::shape(
+            op,
+            format!(
+                "{blocks} thread blocks exceed the launch grid's limit of {}",
+                u32::MAX
+            ),
+        )
+    })?;
+    Ok(LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
 /// A 2-D launch of 64×64 tiles over an `[rows, cols]` matrix (rows in x, cols in y).
 pub(crate) fn tiles_64(rows: usize, cols: usize) -> Result<LaunchConfig> {
     let gy = cols.div_ceil(64).max(1);

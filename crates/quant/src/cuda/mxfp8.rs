@@ -1,12 +1,11 @@
 //! MXFP8 on the device.
 
 use cudarc::driver::PushKernelArg;
-use tessera_core::cuda::grid_1d;
-use tessera_core::{DType, Result, Tensor};
+use tessera_core::{Result, Tensor};
 
 use super::{
-    BLOCK, MXFP8_PTX, Outputs, arg_or_null, device_of, dtype_suffix, format_suffix, launch,
-    tile_grid,
+    MXFP8_PTX, Outputs, arg_or_null, dequant_units_grid, dequant_vals, device_of, dtype_suffix,
+    format_suffix, launch, tile_grid,
 };
 use crate::values::check_input;
 use crate::{BufferName, Fp8Format, QuantizedTensor};
@@ -78,8 +77,9 @@ pub(crate) fn dequantize(
     format: Fp8Format,
     swizzled: bool,
     columnwise: bool,
-    dtype: DType,
-) -> Result<Tensor> {
+    y: &mut Tensor,
+) -> Result<()> {
+    let dtype = y.dtype();
     const OP: &str = "cuda mxfp8 dequantize";
     let (m, k) = qt.shape().flat_2d();
     let (dn, sn) = if columnwise {
@@ -90,7 +90,6 @@ pub(crate) fn dequantize(
     let q = qt.buffer(dn).ok_or_else(|| crate::fp8::missing(dn))?;
     let s = qt.buffer(sn).ok_or_else(|| crate::fp8::missing(sn))?;
     let dev = device_of(q)?;
-    let mut y = Tensor::empty(qt.shape(), dtype, q.device())?;
     let f = dev.function(
         &MXFP8_PTX,
         &format!(
@@ -106,8 +105,8 @@ pub(crate) fn dequantize(
         s.shape().dims()[1] as u64,
     ];
     let (col, swz) = (i32::from(columnwise), i32::from(swizzled));
-    // Thread per run of 16 elements (k % 32 == 0).
-    let cfg = grid_1d(&dev, m * k / 16, BLOCK)?;
+    // Thread per unit of 16 bytes of output (k % 32 == 0: whole units).
+    let cfg = dequant_units_grid(m * k / dequant_vals(dtype))?;
     let ys = y.cuda_slice_mut()?;
     // SAFETY: (const u8* q, const u8* s, T* y, u64 m, u64 k, u64 s_rows, u64 s_cols, int
     // col, int swizzled): q [m, k], s its padded grid, y [m, k] of T.
@@ -122,5 +121,5 @@ pub(crate) fn dequantize(
             b.arg(&col).arg(&swz);
         })
     }?;
-    Ok(y)
+    Ok(())
 }

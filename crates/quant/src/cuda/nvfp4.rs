@@ -4,12 +4,12 @@ use std::sync::Arc;
 
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use tessera_core::cuda::{CudaDevice, grid_1d};
-use tessera_core::{DType, Device, Error, Result, Tensor};
+use tessera_core::{DType, Error, Result, Tensor};
 use tessera_rng::Generator;
 
 use super::{
-    BLOCK, NVFP4_PTX, Order, Outputs, Params, banded_grid, device_addr, device_of, dtype_suffix,
-    launch, launch_params, tile_grid,
+    BLOCK, NVFP4_PTX, Order, Outputs, Params, banded_grid, dequant_units_grid, dequant_vals,
+    device_addr, device_of, dtype_suffix, launch, launch_params, tile_grid,
 };
 use crate::values::check_input;
 use crate::{AmaxReduction, BufferName, QuantizedTensor};
@@ -250,8 +250,9 @@ pub(crate) fn dequantize(
     rht: bool,
     swizzled: bool,
     columnwise: bool,
-    dtype: DType,
-) -> Result<Tensor> {
+    y: &mut Tensor,
+) -> Result<()> {
+    let dtype = y.dtype();
     const OP: &str = "cuda nvfp4 dequantize";
     let (m, k) = qt.shape().flat_2d();
     let (dn, sn, an) = if columnwise {
@@ -266,18 +267,16 @@ pub(crate) fn dequantize(
     let get = |n| qt.buffer(n).ok_or_else(|| crate::fp8::missing(n));
     let (q, s, a) = (get(dn)?, get(sn)?, get(an)?);
     let dev = device_of(q)?;
-    let device: Device = q.device();
-    let mut y = Tensor::empty(qt.shape(), dtype, device)?;
     let f = dev.function(
         &NVFP4_PTX,
         &format!("tessera_nvfp4_dequant_{}", dtype_suffix(OP, dtype)?),
     )?;
     let dims = [m as u64, k as u64, s.shape().dims()[1] as u64];
     let flags = [i32::from(columnwise), i32::from(rht), i32::from(swizzled)];
-    // Thread per 16 elements: a 1x16 block rowwise, a run of 16 rows of a column
-    // columnwise.
-    let units = m * k / 16;
-    let cfg = grid_1d(&dev, units, BLOCK)?;
+    // Rowwise a thread per 16 bytes of output (k % 16 == 0: whole units), columnwise
+    // per 1x16 block of the transposed data.
+    let per = if columnwise { 16 } else { dequant_vals(dtype) };
+    let cfg = dequant_units_grid(m * k / per)?;
     let ys = y.cuda_slice_mut()?;
     // SAFETY: (const u8* q, const u8* s, const float* amax, T* y, u64 m, u64 k, u64
     // s_cols, int col, int rht, int swizzled): q the packed data of the orientation, s its
@@ -296,5 +295,5 @@ pub(crate) fn dequantize(
             }
         })
     }?;
-    Ok(y)
+    Ok(())
 }

@@ -1,0 +1,357 @@
+// Access-pattern experiments for the FP8 dequantizers (not shipped): per-tensor E4M3 to
+// bf16, rowwise ([m, k] bytes to [m, k]) and columnwise (the [k, m] transpose to
+// [m, k]), the shipped kernels against variants that change what one thread loads and
+// stores (among them the kernels shipped before 2026-12-04). Every output is hashed; all of one orientation must agree byte for byte. Build:
+//   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
+//        bench/cuda/dequant_variants.cu -o dq && ./dq
+// GB/s counts the FP8 bytes read and the bf16 bytes written once; the ratio is to a
+// cudaMemcpy of the bf16 output's size measured in the same run.
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "fp8.cu"
+#include "harness.cuh"
+
+using bf16 = __nv_bfloat16;
+
+// Two FP8 bytes (lo in bits 0-7, hi in 8-15) times s, as a bf16 pair (lo first).
+__device__ __forceinline__ uint32_t pair_bf16(uint32_t two, float s) {
+    uint32_t h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((uint16_t)two));
+    const float lo = __half2float(__ushort_as_half((unsigned short)(h & 0xFFFF))) * s;
+    const float hi = __half2float(__ushort_as_half((unsigned short)(h >> 16))) * s;
+    const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&p);
+}
+
+// ---- rowwise -----------------------------------------------------------------------------
+
+// U units of N values a thread in flight, grid-stride (the shipped loop until 2026-12-04
+// had N = 16, U = 4): the thread loads all U before it stores any.
+template <int N, int U>
+__global__ void __launch_bounds__(256) row_u(const uint8_t* __restrict__ q, bf16* __restrict__ y, u64 n,
+                                             const float* __restrict__ sp) {
+    const float s = *sp;
+    const u64 units = n / N, stride = (u64)gridDim.x * blockDim.x;
+    for (u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x; g < units; g += U * stride) {
+        Bytes<8> raw[U][N / 8];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int h = 0; h < N / 8; ++h)
+                if (g + u * stride < units) raw[u][h] = load_bytes<8>(q + N * (g + u * stride) + 8 * h);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (g + u * stride >= units) break;
+            float v[N];
+#pragma unroll
+            for (int h = 0; h < N / 8; ++h) fp8_bytes_to_f32<true>(raw[u][h], v + 8 * h);
+#pragma unroll
+            for (int j = 0; j < N; ++j) v[j] = v[j] * s;
+            store_vec<N>(y + N * (g + u * stride), v);
+        }
+    }
+}
+
+// ---- columnwise ----------------------------------------------------------------------------
+
+// A thread per 16 bytes of a stored row, written down one output column (neighbouring
+// lanes on neighbouring columns: a warp stores 64 contiguous bytes per instruction), four
+// waves of CTAs striding: the shipped kernel until 2026-12-04.
+__global__ void __launch_bounds__(256) col_down(const uint8_t* __restrict__ q, bf16* __restrict__ y, u64 m, u64 k,
+                                                const float* __restrict__ sp) {
+    const float s = *sp;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x; g < m * k / 16; g += stride) {
+        const u64 c = g % k, r = 16 * (g / k);
+        const uint4 raw = reinterpret_cast<const uint4*>(q + c * m + r)[0];
+        const Bytes<8> lo{{raw.x, raw.y}}, hi{{raw.z, raw.w}};
+        float v[16];
+        fp8_bytes_to_f32<true>(lo, v);
+        fp8_bytes_to_f32<true>(hi, v + 8);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) y[(r + j) * k + c] = __float2bfloat16_rn(v[j] * s);
+    }
+}
+
+// A thread takes 8 stored rows (output columns c0 .. c0 + 7) by 16 * R stored columns
+// (output rows): 8 * R 16-byte loads, 16 * R 16-byte stores, the transpose in registers
+// (byte i of each stored row gathered pairwise with PRMT). Neighbouring lanes take
+// neighbouring column groups, so a warp stores 512 contiguous bytes of an output row per
+// instruction. Needs k % 8 == 0, m % (16 R) == 0.
+template <int R>
+__global__ void __launch_bounds__(256) col_reg(const uint8_t* __restrict__ q, bf16* __restrict__ y, u64 m, u64 k,
+                                               const float* __restrict__ sp) {
+    const float s = *sp;
+    const u64 groups = k / 8, chunks = m / (16 * R);
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x; g < groups * chunks; g += stride) {
+        const u64 cg = g % groups, mc = g / groups;
+        uint4 raw[8][R];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                raw[j][r] = reinterpret_cast<const uint4*>(q + (8 * cg + j) * m)[mc * R + r];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                const int b = i % 4;
+                const uint32_t sel = b | ((4 + b) << 4);
+                uint32_t w[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const uint4 v = raw[j][r];
+                    w[j] = i < 4 ? v.x : i < 8 ? v.y : i < 12 ? v.z : v.w;
+                }
+                uint4 o;
+                o.x = pair_bf16(__byte_perm(w[0], w[1], sel), s);
+                o.y = pair_bf16(__byte_perm(w[2], w[3], sel), s);
+                o.z = pair_bf16(__byte_perm(w[4], w[5], sel), s);
+                o.w = pair_bf16(__byte_perm(w[6], w[7], sel), s);
+                reinterpret_cast<uint4*>(y + (16 * (mc * R + r) + i) * k)[cg] = o;
+            }
+        }
+    }
+}
+
+// The first shared-memory transpose: a CTA copies a tile of 64 stored rows x 256 stored
+// columns (16 KiB, each lane four coalesced 16-byte loads) into shared memory, then each
+// lane reads 4 stored columns of 8 stored rows (8 4-byte reads) and writes 4 output rows x
+// 8 output columns (4 16-byte stores; 8 lanes make 128 contiguous bytes of a row). Rows
+// padded by 16 bytes put the rows 8 apart that a warp reads at once in one bank (8-way
+// conflicts); the shipped kernel swizzles instead. Needs m % 256 == 0, k % 64 == 0.
+__global__ void __launch_bounds__(256) col_smem(const uint8_t* __restrict__ q, bf16* __restrict__ y, u64 m, u64 k,
+                                                const float* __restrict__ sp) {
+    constexpr int P = 256 + 16;  // row pitch in bytes (16-byte aligned; shifts banks by 4)
+    __shared__ __align__(16) uint8_t t[64 * P];
+    const float s = *sp;
+    const u64 tiles_m = m / 256, tiles = tiles_m * (k / 64);
+    const int tid = threadIdx.x;
+    for (u64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const u64 tm = tile % tiles_m, tk = tile / tiles_m;
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = tid / 16 + 16 * i, ch = tid % 16;
+            *reinterpret_cast<uint4*>(t + row * P + 16 * ch) =
+                reinterpret_cast<const uint4*>(q + (64 * tk + row) * m + 256 * tm)[ch];
+        }
+        __syncthreads();
+        // lane -> (kg: 8 output columns, mq: 4 output rows); 8 kg x 64 mq per CTA.
+#pragma unroll
+        for (int pass = 0; pass < 2; ++pass) {
+            const int idx = tid + 256 * pass, kg = idx % 8, mq = idx / 8;
+            uint32_t w[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) w[j] = *reinterpret_cast<const uint32_t*>(t + (8 * kg + j) * P + 4 * mq);
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const uint32_t sel = b | ((4 + b) << 4);
+                uint4 o;
+                o.x = pair_bf16(__byte_perm(w[0], w[1], sel), s);
+                o.y = pair_bf16(__byte_perm(w[2], w[3], sel), s);
+                o.z = pair_bf16(__byte_perm(w[4], w[5], sel), s);
+                o.w = pair_bf16(__byte_perm(w[6], w[7], sel), s);
+                reinterpret_cast<uint4*>(y + (256 * tm + 4 * mq + b) * k + 64 * tk)[kg] = o;
+            }
+        }
+    }
+}
+
+// The shared-memory transpose with its choices as parameters: MAP 0 maps a warp to 4
+// column groups x 8 row quads, MAP 1 to 8 column groups x 4 row quads (128 contiguous
+// bytes a row); SW 0 leaves the tile's words in place, SW 1 XORs word w of row j with
+// 8 * ((j / 8) % 4) (conflict-free reads for MAP 0), SW 2 with 4 * ((j / 8) % 8)
+// (conflict-free for MAP 1); PW is the row pitch in words (64, or 68: padded by 16 bytes).
+template <int MAP, int SW, int PW>
+__global__ void __launch_bounds__(256) col_exp(const uint8_t* __restrict__ q, bf16* __restrict__ y, u64 m, u64 k,
+                                               const float* __restrict__ sp) {
+    const float s = *sp;
+    __shared__ __align__(16) uint32_t tile[64 * PW];
+    auto swz = [](int j) { return SW == 0 ? 0 : SW == 1 ? 8 * ((j / 8) % 4) : 4 * ((j / 8) % 8); };
+    const uint32_t tm = (uint32_t)(m / 256);
+    const u64 k0 = (u64)(blockIdx.x / tm) * 64, m0 = (u64)(blockIdx.x % tm) * 256;
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int j = tid / 16 + 16 * i, ch = tid % 16;
+        *reinterpret_cast<uint4*>(&tile[j * PW + ((4 * ch) ^ swz(j))]) =
+            *reinterpret_cast<const uint4*>(q + (k0 + j) * m + m0 + 16 * ch);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+        const int idx = tid + 256 * pass;
+        const int kg = MAP == 0 ? (idx / 8) % 8 : idx % 8, mq = MAP == 0 ? idx % 8 + 8 * (idx / 64) : idx / 8;
+        const u64 r0 = m0 + 4 * mq, c0 = k0 + 8 * kg;
+        bf16* out = y + r0 * k + c0;
+        uint32_t w[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = tile[(8 * kg + j) * PW + (mq ^ swz(8 * kg + j))];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const uint32_t sel = b | ((4 + b) << 4);
+            uint4 o;
+            o.x = pair_bf16(__byte_perm(w[0], w[1], sel), s);
+            o.y = pair_bf16(__byte_perm(w[2], w[3], sel), s);
+            o.z = pair_bf16(__byte_perm(w[4], w[5], sel), s);
+            o.w = pair_bf16(__byte_perm(w[6], w[7], sel), s);
+            store_global16(out + b * k, o);
+        }
+    }
+}
+
+// The padded shared-memory transpose over TK stored rows x TM stored columns (16 KiB for
+// 256 threads), its tile in dynamic shared memory so that the launch can ask for more and
+// so cap the CTAs resident per SM. A thread writes 4 output rows x 8 output columns per
+// pass, neighbouring lanes on neighbouring column groups (a warp writes 2 TK contiguous
+// bytes of each row it touches).
+template <int TK, int TM>
+__global__ void __launch_bounds__(256) col_tile(const uint8_t* __restrict__ q, bf16* __restrict__ y, u64 m, u64 k,
+                                                const float* __restrict__ sp) {
+    constexpr int PW = TM / 4 + 4, CH = TM / 16, PASSES = TK * TM / 32 / 256;
+    extern __shared__ __align__(16) uint32_t dyn[];
+    const float s = *sp;
+    const uint32_t tm = (uint32_t)(m / TM);
+    const u64 k0 = (u64)(blockIdx.x / tm) * TK, m0 = (u64)(blockIdx.x % tm) * TM;
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < TK * CH / 256; ++i) {
+        const int j = tid / CH + (256 / CH) * i, ch = tid % CH;
+        *reinterpret_cast<uint4*>(&dyn[j * PW + 4 * ch]) = *reinterpret_cast<const uint4*>(q + (k0 + j) * m + m0 + 16 * ch);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {
+        const int idx = tid + 256 * pass, kg = idx % (TK / 8), mq = idx / (TK / 8);
+        bf16* out = y + (m0 + 4 * mq) * k + k0 + 8 * kg;
+        uint32_t w[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = dyn[(8 * kg + j) * PW + mq];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const uint32_t sel = b | ((4 + b) << 4);
+            uint4 o;
+            o.x = pair_bf16(__byte_perm(w[0], w[1], sel), s);
+            o.y = pair_bf16(__byte_perm(w[2], w[3], sel), s);
+            o.z = pair_bf16(__byte_perm(w[4], w[5], sel), s);
+            o.w = pair_bf16(__byte_perm(w[6], w[7], sel), s);
+            store_global16(out + b * k, o);
+        }
+    }
+}
+
+// Launches col_tile<TK, TM> with enough dynamic shared memory that at most `ctas` CTAs fit
+// on an SM (228 KiB each, 1 KiB reserved per CTA).
+template <int TK, int TM>
+static void launch_tile(int ctas, const uint8_t* q, bf16* y, u64 m, u64 k, const float* sp) {
+    const int tile = TK * (TM + 16);
+    const int smem = std::max(tile, 228 * 1024 / ctas - 1024 + 16);
+    CK(cudaFuncSetAttribute(col_tile<TK, TM>, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 * 1024));
+    col_tile<TK, TM><<<(unsigned)((m / TM) * (k / TK)), 256, smem>>>(q, y, m, k, sp);
+}
+
+__global__ void __launch_bounds__(256) copy16(const uint4* __restrict__ a, uint4* __restrict__ b, u64 n) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) b[i] = a[i];
+}
+
+// ---- the driver -------------------------------------------------------------------------
+
+static double copy_gbs;
+
+static void report(const char* name, float ms, double bytes, const void* out, size_t n) {
+    const double gbs = bytes / ms / 1e6;
+    std::printf("%-40s %8.4f ms %8.1f GB/s %6.3f of copy  hash %016llx\n", name, ms, gbs, gbs / copy_gbs,
+                (unsigned long long)fnv(out, n));
+}
+
+// The library's grid_1d: at most 4 waves of resident 256-thread CTAs.
+static unsigned grid_1d(u64 units, int sms) {
+    return (unsigned)std::min<u64>((units + 255) / 256, 4ull * sms * 8);
+}
+static unsigned cover(u64 units) { return (unsigned)((units + 255) / 256); }
+
+static void run_shape(u64 M, u64 K, int sms) {
+    const u64 n = M * K;
+    std::printf("== [%llu, %llu] e4m3 -> bf16\n", (unsigned long long)M, (unsigned long long)K);
+    std::vector<uint8_t> h(n);
+    uint64_t st = 0x9E3779B97F4A7C15ull ^ n;
+    for (auto& b : h) {
+        st = st * 6364136223846793005ull + 1442695040888963407ull;
+        b = (uint8_t)(st >> 56);
+        if ((b & 0x7F) == 0x7F) b = 0x3C;  // keep NaNs out: hashes stay comparable
+    }
+    uint8_t* q;
+    bf16 *y, *y2;
+    float* sp;
+    CK(cudaMalloc(&q, n));
+    CK(cudaMalloc(&y, 2 * n));
+    CK(cudaMalloc(&y2, 2 * n));
+    CK(cudaMalloc(&sp, 4));
+    const float sv = 0.37f;
+    CK(cudaMemcpy(q, h.data(), n, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(sp, &sv, 4, cudaMemcpyHostToDevice));
+    const double bytes = 3.0 * n;
+    float ms = time_ms([&] { CK(cudaMemcpyAsync(y2, y, 2 * n, cudaMemcpyDeviceToDevice)); });
+    copy_gbs = 4.0 * n / ms / 1e6;
+    std::printf("%-40s %8.4f ms %8.1f GB/s\n", "cudaMemcpy of the output size", ms, copy_gbs);
+    ms = time_ms([&] { copy16<<<grid_1d(n / 8, sms), 256>>>((const uint4*)y, (uint4*)y2, n / 8); });
+    std::printf("%-40s %8.4f ms %8.1f GB/s %6.3f of copy\n", "copy kernel, 16 B per lane, grid_1d", ms,
+                4.0 * n / ms / 1e6, 4.0 * n / ms / 1e6 / copy_gbs);
+
+    auto row = [&](const char* name, auto launch) {
+        CK(cudaMemset(y, 0xFF, 2 * n));
+        report(name, time_ms(launch), bytes, y, 2 * n);
+    };
+    row("row shipped (8/unit, cover)", [&] { tessera_fp8_dequant_bf16_e4m3<<<cover(n / 8), 256>>>(q, y, n, sp); });
+    row("row 16/unit U=4 grid_1d (until 12-04)", [&] { row_u<16, 4><<<grid_1d(n / 16, sms), 256>>>(q, y, n, sp); });
+    row("row 16/unit U=1 grid_1d", [&] { row_u<16, 1><<<grid_1d(n / 16, sms), 256>>>(q, y, n, sp); });
+    row("row 16/unit U=1 cover", [&] { row_u<16, 1><<<cover(n / 16), 256>>>(q, y, n, sp); });
+    row("row 8/unit U=1 cover", [&] { row_u<8, 1><<<cover(n / 8), 256>>>(q, y, n, sp); });
+    row("row 8/unit U=1 grid_1d", [&] { row_u<8, 1><<<grid_1d(n / 8, sms), 256>>>(q, y, n, sp); });
+    row("row 8/unit U=2 grid_1d", [&] { row_u<8, 2><<<grid_1d(n / 8, sms), 256>>>(q, y, n, sp); });
+    row("row 8/unit U=4 grid_1d", [&] { row_u<8, 4><<<grid_1d(n / 8, sms), 256>>>(q, y, n, sp); });
+    row("row 8/unit U=2 cover/2", [&] { row_u<8, 2><<<cover(n / 16), 256>>>(q, y, n, sp); });
+
+    // columnwise: q holds the [K, M] transpose
+    const unsigned tiles = (unsigned)(((K + 63) / 64) * ((M + 255) / 256));
+    row("col shipped (shared-memory tiles)", [&] { tessera_fp8_dequant_t_bf16_e4m3<<<tiles, 256>>>(q, y, M, K, sp); });
+    row("col exp map0 sw1 pw64", [&] { col_exp<0, 1, 64><<<tiles, 256>>>(q, y, M, K, sp); });
+    row("col exp map0 sw0 pw68", [&] { col_exp<0, 0, 68><<<tiles, 256>>>(q, y, M, K, sp); });
+    row("col exp map1 sw0 pw68", [&] { col_exp<1, 0, 68><<<tiles, 256>>>(q, y, M, K, sp); });
+    row("col exp map1 sw2 pw64", [&] { col_exp<1, 2, 64><<<tiles, 256>>>(q, y, M, K, sp); });
+    for (int ctas : {8, 4}) {
+        char name[64];
+        std::snprintf(name, sizeof name, "col tile 64x256, %d CTAs/SM", ctas);
+        row(name, [&] { launch_tile<64, 256>(ctas, q, y, M, K, sp); });
+        std::snprintf(name, sizeof name, "col tile 128x128, %d CTAs/SM", ctas);
+        row(name, [&] { launch_tile<128, 128>(ctas, q, y, M, K, sp); });
+        std::snprintf(name, sizeof name, "col tile 256x64, %d CTAs/SM", ctas);
+        row(name, [&] { launch_tile<256, 64>(ctas, q, y, M, K, sp); });
+    }
+    row("col 16 down a column (until 12-04)", [&] { col_down<<<grid_1d(n / 16, sms), 256>>>(q, y, M, K, sp); });
+    row("col reg 8x16 cover", [&] { col_reg<1><<<cover(n / 128), 256>>>(q, y, M, K, sp); });
+    row("col reg 8x16 grid_1d", [&] { col_reg<1><<<grid_1d(n / 128, sms), 256>>>(q, y, M, K, sp); });
+    row("col reg 8x32 cover", [&] { col_reg<2><<<cover(n / 256), 256>>>(q, y, M, K, sp); });
+    row("col smem padded, cover", [&] { col_smem<<<(unsigned)(n / (64 * 256)), 256>>>(q, y, M, K, sp); });
+    row("col smem padded, 4 waves", [&] {
+        col_smem<<<(unsigned)std::min<u64>(n / (64 * 256), 4ull * sms * 8), 256>>>(q, y, M, K, sp);
+    });
+    CK(cudaFree(q));
+    CK(cudaFree(y));
+    CK(cudaFree(y2));
+    CK(cudaFree(sp));
+}
+
+int main() {
+    cudaDeviceProp p;
+    CK(cudaGetDeviceProperties(&p, 0));
+    std::printf("%s (sm_%d%d), %d SMs\n", p.name, p.major, p.minor, p.multiProcessorCount);
+    run_shape(16384, 8192, p.multiProcessorCount);
+    run_shape(4096, 4096, p.multiProcessorCount);
+    run_shape(8192, 16384, p.multiProcessorCount);
+}
