@@ -324,6 +324,11 @@ __device__ __forceinline__ void store_global16(void* p, uint4 v) {
                  : "memory");
 }
 
+// The same for 8 bytes at p (8-byte aligned).
+__device__ __forceinline__ void store_global8(void* p, uint2 v) {
+    asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+
 // N floats rounded to T (to nearest even) and stored at p (16-byte aligned, global) in
 // 16-byte vectors; N * sizeof(T) a multiple of 16.
 template <int N, class T> __device__ __forceinline__ void store_vec(T* p, const float* v) {

@@ -139,6 +139,12 @@ __device__ __forceinline__ uint8_t block_scale(float b, float s_enc) {
     return fp8<true>(fminf(__fmul_rn(b, __fmul_rn(s_enc, 0.16666667163372040f)), 3.402823466e38f));
 }
 
+// The multiplier of a block's values when dequantizing: (e4m3 * A) * fp32(1/2688), A the
+// tensor's amax.
+__device__ __forceinline__ float nvfp4_decode_scale(uint8_t e, float A) {
+    return __fmul_rn(__fmul_rn(fp8_to_f32<true>(e), A), 1.0f / 2688.0f);
+}
+
 __device__ __forceinline__ float block_encode_scale(uint8_t e, float s_dec) {
     return fminf(__frcp_rn(__fmul_rn(fp8_to_f32<true>(e), s_dec)), 3.402823466e38f);
 }
@@ -1044,51 +1050,106 @@ NVFP4_RS_ALL(f16, __half)
 
 // ---- dequantize -------------------------------------------------------------------------
 
-// value = e2m1 * ((e4m3 * A) * fp32(1/2688)). Rowwise (col = 0): a thread per unit of
-// DEQ_VALS<T> elements of a row (k % 16 == 0, so inside one 1x16 block): one 4- or 2-byte
-// load, one scale, one 16-byte store; m * k / DEQ_VALS<T> threads. Columnwise (col = 1):
-// q is the [k, m] transpose; a thread per 16-element block along m of one column k
-// (inverse RHT when rht) written down that column, neighbouring threads on neighbouring
-// columns; k * m / 16 threads.
+// The columnwise tile of nvfp4_dequant_cols: DEQ_TILE_K q rows (output columns) by
+// NVFP4_DEQ_TILE_M values along m (128 bytes of each q row).
+constexpr int NVFP4_DEQ_TILE_M = 256;
+
+// value = e2m1 * ((e4m3 * A) * fp32(1/2688)); m % 16 == 0 and k % 16 == 0.
+
+// Rowwise: a thread per unit of DEQ_VALS<T> elements of a row (inside one 1x16 block):
+// one 4- or 2-byte load, one scale, one 16-byte store; m * k / DEQ_VALS<T> threads.
 template <class T>
-__device__ void nvfp4_dequant_impl(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+__device__ void nvfp4_dequant_rows(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                    const float* __restrict__ amax, T* __restrict__ y, u64 m, u64 k,
-                                   u64 s_cols, int col, int rht, int swizzled) {
-    const float A = amax[0];
+                                   u64 s_cols, int swizzled) {
+    constexpr int V = DEQ_VALS<T>;
     const u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    auto block_scale = [&](uint8_t e) { return __fmul_rn(__fmul_rn(fp8_to_f32<true>(e), A), 1.0f / 2688.0f); };
-    if (!col) {
-        constexpr int V = DEQ_VALS<T>;
-        if (g >= m * k / V) return;
-        const DivMod p = divmod(V * g, k);
-        const uint32_t w = V == 8 ? reinterpret_cast<const uint32_t*>(q)[g] : reinterpret_cast<const uint16_t*>(q)[g];
-        const float sc = block_scale(s[scale_index(p.q, p.r / 16, s_cols, swizzled)]);
-        float v[V];
+    if (g >= m * k / V) return;
+    const DivMod p = divmod(V * g, k);
+    const uint32_t w = V == 8 ? reinterpret_cast<const uint32_t*>(q)[g] : reinterpret_cast<const uint16_t*>(q)[g];
+    const float sc = nvfp4_decode_scale(s[scale_index(p.q, p.r / 16, s_cols, swizzled)], amax[0]);
+    float v[V];
 #pragma unroll
-        for (int j = 0; j < V; ++j) v[j] = __fmul_rn(e2m1_value((w >> (4 * j)) & 0xFu), sc);
-        store_vec<V>(y + V * g, v);
-        return;
-    }
-    if (g >= k * (m / 16)) return;
-    const DivMod p = divmod(g, k);  // (16-element run along m, column)
-    const uint2 w = reinterpret_cast<const uint2*>(q)[(p.r * m) / 16 + p.q];
-    float v[16], o[16];
-    e2m1x16_values(w, block_scale(s[scale_index(p.r, p.q, s_cols, swizzled)]), v);
-    if (rht) {
-        inverse_rht16(v, o);
-    } else {
-#pragma unroll
-        for (int t = 0; t < 16; ++t) o[t] = v[t];
-    }
-#pragma unroll
-    for (int t = 0; t < 16; ++t) y[(p.q * 16 + t) * k + p.r] = In<T>::from(o[t]);
+    for (int j = 0; j < V; ++j) v[j] = __fmul_rn(e2m1_value((w >> (4 * j)) & 0xFu), sc);
+    store_vec<V>(y + V * g, v);
 }
 
-#define NVFP4_DEQUANT(SUFFIX, T)                                                                \
-    extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_dequant_##SUFFIX(            \
-        const uint8_t* q, const uint8_t* s, const float* amax, T* y, u64 m, u64 k, u64 s_cols,   \
-        int col, int rht, int swizzled) {                                                        \
-        nvfp4_dequant_impl<T>(q, s, amax, y, m, k, s_cols, col, rht, swizzled);                  \
+// Columnwise: q is the [k, m] transpose (m / 2 bytes a row), its 16-element blocks along
+// m, each inverse-transformed when rht. A CTA of 256 threads per tile of 64 q rows by
+// 256 values, ceil(k / 64) * ceil(m / 256) CTAs: the tile is copied into shared memory
+// (8-byte loads, 128 contiguous bytes a q row), then each thread decodes one block from
+// each of 4 q rows (4 output columns) and writes the block's 16 output rows, one 4-column
+// store a row (8 bytes of bf16 or f16, 16 of f32). Sixteen lanes take the 64 columns of
+// a block, so a warp stores 128 (256) contiguous bytes of each of 2 rows per instruction.
+template <class T>
+__device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+                                   const float* __restrict__ amax, T* __restrict__ y, u64 m, u64 k,
+                                   u64 s_cols, int rht, int swizzled) {
+    // Row j of the tile holds its 128 bytes as 32 words, word w at w ^ swz(j): with
+    // swz(j) = 2 * ((j / 4) % 16) the 8-byte reads of a warp (16 four-row groups by 2
+    // blocks) take two wavefronts, the least 256 bytes need, and 8-byte copies stay aligned.
+    constexpr int TM = NVFP4_DEQ_TILE_M, ROW_WORDS = TM / 8;
+    __shared__ __align__(16) uint32_t tile[DEQ_TILE_K][ROW_WORDS];
+    auto swz = [](int j) { return 2 * ((j / 4) % 16); };
+    const u64 half_m = m / 2, tiles_m = (m + TM - 1) / TM;
+    // The launch has a CTA per tile, so tiles_m < 2^32.
+    const uint32_t tm = (uint32_t)tiles_m;
+    const u64 k0 = (u64)(blockIdx.x / tm) * DEQ_TILE_K, m0 = (u64)(blockIdx.x % tm) * TM;
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < DEQ_TILE_K * ROW_WORDS / 2 / 256; ++i) {
+        const int e = tid + 256 * i, j = e / (ROW_WORDS / 2), w2 = e % (ROW_WORDS / 2);
+        uint2 v = {0, 0};
+        // m % 16 == 0: an 8-byte chunk is wholly inside a q row or wholly past it.
+        if (k0 + j < k && m0 / 2 + 8 * w2 < half_m)
+            v = *reinterpret_cast<const uint2*>(q + (k0 + j) * half_m + m0 / 2 + 8 * w2);
+        *reinterpret_cast<uint2*>(&tile[j][(2 * w2) ^ swz(j)]) = v;
+    }
+    __syncthreads();
+    const int kg = tid % 16, mb = tid / 16;  // q rows 4 kg .. + 3, the 16-block mb of the tile
+    const u64 c0 = k0 + 4 * kg, r0 = m0 + 16 * mb;
+    if (c0 >= k || r0 >= m) return;  // k % 16 == 0: the 4 columns are wholly in or out
+    const float A = amax[0];
+    union {
+        T e[4];
+        uint2 u2;
+        uint4 u4;
+    } out_v[16];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const uint2 w = *reinterpret_cast<const uint2*>(&tile[4 * kg + j][(2 * mb) ^ swz(4 * kg + j)]);
+        float v[16], o[16];
+        e2m1x16_values(w, nvfp4_decode_scale(s[scale_index(c0 + j, r0 / 16, s_cols, swizzled)], A), v);
+        if (rht) {
+            inverse_rht16(v, o);
+        } else {
+#pragma unroll
+            for (int t = 0; t < 16; ++t) o[t] = v[t];
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) out_v[i].e[j] = In<T>::from(o[i]);
+    }
+    T* out = y + r0 * k + c0;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        if constexpr (sizeof(T) == 4) {
+            store_global16(out + i * k, out_v[i].u4);
+        } else {
+            store_global8(out + i * k, out_v[i].u2);
+        }
+    }
+}
+
+#define NVFP4_DEQUANT(SUFFIX, T)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_dequant_##SUFFIX(             \
+        const uint8_t* q, const uint8_t* s, const float* amax, T* y, u64 m, u64 k, u64 s_cols,    \
+        int swizzled) {                                                                           \
+        nvfp4_dequant_rows<T>(q, s, amax, y, m, k, s_cols, swizzled);                             \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_dequant_t_##SUFFIX(           \
+        const uint8_t* q, const uint8_t* s, const float* amax, T* y, u64 m, u64 k, u64 s_cols,    \
+        int rht, int swizzled) {                                                                  \
+        nvfp4_dequant_cols<T>(q, s, amax, y, m, k, s_cols, rht, swizzled);                        \
     }
 NVFP4_DEQUANT(f32, float)
 NVFP4_DEQUANT(bf16, __nv_bfloat16)

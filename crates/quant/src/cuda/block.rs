@@ -4,8 +4,8 @@ use cudarc::driver::PushKernelArg;
 use tessera_core::{Result, Tensor};
 
 use super::{
-    BLOCK_PTX, Outputs, arg_or_null, dequant_cols_grid, dequant_units_grid, dequant_vals,
-    device_of, dtype_suffix, format_suffix, launch, tile_grid,
+    BLOCK_PTX, FP8_DEQ_TILE_M, Outputs, arg_or_null, dequant_cols_grid, dequant_units_grid,
+    dequant_vals, device_of, dtype_suffix, format_suffix, launch, tile_grid,
 };
 use crate::block::BlockScaling;
 use crate::values::check_input;
@@ -122,7 +122,7 @@ pub(crate) fn dequantize(
     // Columnwise a CTA per 64x256 tile of the stored [k, m]; rowwise a thread per unit
     // (each striding per element where the stored rows do not split into vectors).
     let cfg = if columnwise {
-        dequant_cols_grid(m, k)?
+        dequant_cols_grid(m, k, FP8_DEQ_TILE_M)?
     } else {
         dequant_units_grid((m * k).div_ceil(dequant_vals(dtype)))?
     };

@@ -5,8 +5,9 @@ use tessera_core::cuda::{CudaDevice, grid_1d};
 use tessera_core::{DType, Error, Result, Tensor};
 
 use super::{
-    BLOCK, FP8_PTX, Order, Params, dequant_cols_grid, dequant_units_grid, dequant_vals,
-    device_addr, device_of, dtype_suffix, format_suffix, launch, launch_params, tile_grid,
+    BLOCK, FP8_DEQ_TILE_M, FP8_PTX, Order, Params, dequant_cols_grid, dequant_units_grid,
+    dequant_vals, device_addr, device_of, dtype_suffix, format_suffix, launch, launch_params,
+    tile_grid,
 };
 use crate::values::check_input;
 use crate::{BufferName, Fp8Format, QuantizedTensor};
@@ -228,7 +229,7 @@ pub(crate) fn dequantize_transposed(
     )?;
     let (mu, ku) = (m as u64, k as u64);
     // A CTA per 64x256 tile of the stored [k, m] (striding per element when m % 16 != 0).
-    let cfg = dequant_cols_grid(m, k)?;
+    let cfg = dequant_cols_grid(m, k, FP8_DEQ_TILE_M)?;
     let ys = y.cuda_slice_mut()?;
     // SAFETY: (const u8* q, T* y, u64 m, u64 k, const float* scale_inv): q holds the
     // m*k bytes of the [k, m] transpose (checked above), y m*k elements of T, scale_inv

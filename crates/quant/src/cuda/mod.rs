@@ -80,14 +80,20 @@ pub(crate) fn dequant_units_grid(units: usize) -> Result<LaunchConfig> {
     covering("cuda dequantize", units.div_ceil(BLOCK as usize))
 }
 
-/// The launch of `fp8_dequant_cols` for a stored `[k, m]` operand: a CTA per tile of 64
-/// stored rows by 256 stored columns (`DEQ_TILE_K`, `DEQ_TILE_M` in `common.cuh`).
-pub(crate) fn dequant_cols_grid(m: usize, k: usize) -> Result<LaunchConfig> {
+/// The launch of a columnwise dequantizer that reads its stored `[k, m]` operand in tiles
+/// of 64 stored rows by `tile_m` elements along `m`, a CTA per tile: `fp8_dequant_cols`
+/// ([`FP8_DEQ_TILE_M`]) and NVFP4's ([`NVFP4_DEQ_TILE_M`]).
+pub(crate) fn dequant_cols_grid(m: usize, k: usize, tile_m: usize) -> Result<LaunchConfig> {
     covering(
         "cuda dequantize columnwise",
-        k.div_ceil(64) * m.div_ceil(256),
+        k.div_ceil(64) * m.div_ceil(tile_m),
     )
 }
+
+/// `DEQ_TILE_M` in `common.cuh`.
+pub(crate) const FP8_DEQ_TILE_M: usize = 256;
+/// `NVFP4_DEQ_TILE_M` in `nvfp4.cu`.
+pub(crate) const NVFP4_DEQ_TILE_M: usize = 256;
 
 /// `blocks` CTAs of `BLOCK` threads on a 1-D grid, refused past the grid's limit (the
 /// kernels launched this way do not stride, so a capped grid would leave work undone).

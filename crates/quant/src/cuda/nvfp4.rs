@@ -8,8 +8,9 @@ use tessera_core::{DType, Error, Result, Tensor};
 use tessera_rng::Generator;
 
 use super::{
-    BLOCK, NVFP4_PTX, Order, Outputs, Params, banded_grid, dequant_units_grid, dequant_vals,
-    device_addr, device_of, dtype_suffix, launch, launch_params, tile_grid,
+    BLOCK, NVFP4_DEQ_TILE_M, NVFP4_PTX, Order, Outputs, Params, banded_grid, dequant_cols_grid,
+    dequant_units_grid, dequant_vals, device_addr, device_of, dtype_suffix, launch, launch_params,
+    tile_grid,
 };
 use crate::values::check_input;
 use crate::{AmaxReduction, BufferName, QuantizedTensor};
@@ -269,18 +270,30 @@ pub(crate) fn dequantize(
     let dev = device_of(q)?;
     let f = dev.function(
         &NVFP4_PTX,
-        &format!("tessera_nvfp4_dequant_{}", dtype_suffix(OP, dtype)?),
+        &format!(
+            "tessera_nvfp4_dequant_{}{}",
+            if columnwise { "t_" } else { "" },
+            dtype_suffix(OP, dtype)?
+        ),
     )?;
     let dims = [m as u64, k as u64, s.shape().dims()[1] as u64];
-    let flags = [i32::from(columnwise), i32::from(rht), i32::from(swizzled)];
-    // Rowwise a thread per 16 bytes of output (k % 16 == 0: whole units), columnwise
-    // per 1x16 block of the transposed data.
-    let per = if columnwise { 16 } else { dequant_vals(dtype) };
-    let cfg = dequant_units_grid(m * k / per)?;
+    // Rowwise a thread per 16 bytes of output (k % 16 == 0: whole units), columnwise a CTA
+    // per tile of the transposed data; only the columnwise kernel takes `rht`.
+    let (cfg, flags) = if columnwise {
+        (
+            dequant_cols_grid(m, k, NVFP4_DEQ_TILE_M)?,
+            vec![i32::from(rht), i32::from(swizzled)],
+        )
+    } else {
+        (
+            dequant_units_grid(m * k / dequant_vals(dtype))?,
+            vec![i32::from(swizzled)],
+        )
+    };
     let ys = y.cuda_slice_mut()?;
     // SAFETY: (const u8* q, const u8* s, const float* amax, T* y, u64 m, u64 k, u64
-    // s_cols, int col, int rht, int swizzled): q the packed data of the orientation, s its
-    // padded scale grid, amax one float, y [m, k] of T.
+    // s_cols, [int rht,] int swizzled), rht for the columnwise kernel only: q the packed
+    // data of the orientation, s its padded scale grid, amax one float, y [m, k] of T.
     unsafe {
         launch(&dev, &f, cfg, OP, |b| {
             b.arg(q.cuda_slice().expect("device tensor"))
