@@ -12,7 +12,10 @@
 //! `is_quantizable`, usage), producing a [`QuantizedTensor`] whose
 //! [`data_tensors`](QuantizedTensor::data_tensors) are plain [`Tensor`]s. Scale padding
 //! is written as zeros (TE leaves it undefined). [`wire`] describes how each buffer
-//! behaves under a first-dimension all-gather, for the collectives.
+//! behaves under a first-dimension all-gather, for the collectives. Dequantization
+//! ([`QuantizedTensor::dequantize`], `dequantize_usage` for one orientation, or
+//! `dequantize_into` a tensor the caller keeps) runs where the data lives: a CUDA tensor
+//! is dequantized by one kernel launch, with no host round trip.
 //!
 //! The CPU reference is built from small public functions per step (casts in [`cast`],
 //! amax and scales in [`scale`], layouts in [`layout`], and each format's block

@@ -9,6 +9,10 @@
 //! a programmatic dependent launch (`Order::OverlapAmaxPass`): its CTAs load their tiles
 //! while the amax pass finishes. An amax reduction across ranks is the one step that
 //! reads the amax back to the host (and then the second pass launches the ordinary way).
+//!
+//! Dequantizers are one launch each, sized to their work rather than striding: a thread
+//! per 16 bytes of output for data in the output's order (`dequant_units_grid`), a CTA
+//! per shared-memory tile for transposed columnwise data (`dequant_cols_grid`).
 
 pub(crate) mod block;
 pub(crate) mod fp8;
