@@ -25,6 +25,14 @@ __device__ __forceinline__ uint32_t pair_bf16(uint32_t two, float s) {
     return *reinterpret_cast<const uint32_t*>(&p);
 }
 
+// Byte b of each of 8 words (one stored column of 8 stored rows), times s, as 8 bf16:
+// 8 consecutive outputs of one output row.
+__device__ __forceinline__ uint4 gather_bf16(const uint32_t* w, int b, float s) {
+    const uint32_t sel = b | ((4 + b) << 4);
+    return uint4{pair_bf16(__byte_perm(w[0], w[1], sel), s), pair_bf16(__byte_perm(w[2], w[3], sel), s),
+                 pair_bf16(__byte_perm(w[4], w[5], sel), s), pair_bf16(__byte_perm(w[6], w[7], sel), s)};
+}
+
 // ---- rowwise -----------------------------------------------------------------------------
 
 // U units of N values a thread in flight, grid-stride (the shipped loop until 2026-12-04
@@ -98,20 +106,13 @@ __global__ void __launch_bounds__(256) col_reg(const uint8_t* __restrict__ q, bf
         for (int r = 0; r < R; ++r) {
 #pragma unroll
             for (int i = 0; i < 16; ++i) {
-                const int b = i % 4;
-                const uint32_t sel = b | ((4 + b) << 4);
                 uint32_t w[8];
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const uint4 v = raw[j][r];
                     w[j] = i < 4 ? v.x : i < 8 ? v.y : i < 12 ? v.z : v.w;
                 }
-                uint4 o;
-                o.x = pair_bf16(__byte_perm(w[0], w[1], sel), s);
-                o.y = pair_bf16(__byte_perm(w[2], w[3], sel), s);
-                o.z = pair_bf16(__byte_perm(w[4], w[5], sel), s);
-                o.w = pair_bf16(__byte_perm(w[6], w[7], sel), s);
-                reinterpret_cast<uint4*>(y + (16 * (mc * R + r) + i) * k)[cg] = o;
+                reinterpret_cast<uint4*>(y + (16 * (mc * R + r) + i) * k)[cg] = gather_bf16(w, i % 4, s);
             }
         }
     }
@@ -149,12 +150,7 @@ __global__ void __launch_bounds__(256) col_smem(const uint8_t* __restrict__ q, b
             for (int j = 0; j < 8; ++j) w[j] = *reinterpret_cast<const uint32_t*>(t + (8 * kg + j) * P + 4 * mq);
 #pragma unroll
             for (int b = 0; b < 4; ++b) {
-                const uint32_t sel = b | ((4 + b) << 4);
-                uint4 o;
-                o.x = pair_bf16(__byte_perm(w[0], w[1], sel), s);
-                o.y = pair_bf16(__byte_perm(w[2], w[3], sel), s);
-                o.z = pair_bf16(__byte_perm(w[4], w[5], sel), s);
-                o.w = pair_bf16(__byte_perm(w[6], w[7], sel), s);
+                const uint4 o = gather_bf16(w, b, s);
                 reinterpret_cast<uint4*>(y + (256 * tm + 4 * mq + b) * k + 64 * tk)[kg] = o;
             }
         }
@@ -193,12 +189,7 @@ __global__ void __launch_bounds__(256) col_exp(const uint8_t* __restrict__ q, bf
         for (int j = 0; j < 8; ++j) w[j] = tile[(8 * kg + j) * PW + (mq ^ swz(8 * kg + j))];
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
-            const uint32_t sel = b | ((4 + b) << 4);
-            uint4 o;
-            o.x = pair_bf16(__byte_perm(w[0], w[1], sel), s);
-            o.y = pair_bf16(__byte_perm(w[2], w[3], sel), s);
-            o.z = pair_bf16(__byte_perm(w[4], w[5], sel), s);
-            o.w = pair_bf16(__byte_perm(w[6], w[7], sel), s);
+            const uint4 o = gather_bf16(w, b, s);
             store_global16(out + b * k, o);
         }
     }
@@ -233,12 +224,7 @@ __global__ void __launch_bounds__(256) col_tile(const uint8_t* __restrict__ q, b
         for (int j = 0; j < 8; ++j) w[j] = dyn[(8 * kg + j) * PW + mq];
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
-            const uint32_t sel = b | ((4 + b) << 4);
-            uint4 o;
-            o.x = pair_bf16(__byte_perm(w[0], w[1], sel), s);
-            o.y = pair_bf16(__byte_perm(w[2], w[3], sel), s);
-            o.z = pair_bf16(__byte_perm(w[4], w[5], sel), s);
-            o.w = pair_bf16(__byte_perm(w[6], w[7], sel), s);
+            const uint4 o = gather_bf16(w, b, s);
             store_global16(out + b * k, o);
         }
     }
