@@ -12,6 +12,7 @@
 
 #include "fp8.cu"
 #include "harness.cuh"
+#include "nvfp4.cu"
 
 using bf16 = __nv_bfloat16;
 
@@ -333,6 +334,83 @@ static void run_shape(u64 M, u64 K, int sms) {
     CK(cudaFree(sp));
 }
 
+// ---- NVFP4 rowwise -------------------------------------------------------------------------
+
+// The shipped NVFP4 rowwise body with U units per thread, a warp's units interleaved (lane
+// l takes units base + l, base + 32 + l, ...), so each store instruction still writes
+// 512 contiguous bytes; the amax load and the index arithmetic are shared by the U.
+template <int U>
+__global__ void __launch_bounds__(256) nv_rows(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+                                               const float* __restrict__ amax, bf16* __restrict__ y, u64 m, u64 k,
+                                               u64 s_cols) {
+    const u64 lane = threadIdx.x % 32, warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const float A = amax[0];
+    uint32_t w[U];
+    uint8_t e[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const u64 g = warp * 32 * U + 32 * u + lane;
+        if (g < m * k / 8) {
+            const DivMod p = divmod(8 * g, k);
+            w[u] = reinterpret_cast<const uint32_t*>(q)[g];
+            e[u] = s[p.q * s_cols + p.r / 16];
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const u64 g = warp * 32 * U + 32 * u + lane;
+        if (g >= m * k / 8) break;
+        const float sc = nvfp4_decode_scale(e[u], A);
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(e2m1_value((w[u] >> (4 * j)) & 0xFu), sc);
+        store_vec<8>(y + 8 * g, v);
+    }
+}
+
+static void run_nvfp4(u64 M, u64 K) {
+    std::printf("== [%llu, %llu] nvfp4 rowwise -> bf16 (compact scales)\n", (unsigned long long)M,
+                (unsigned long long)K);
+    const u64 n = M * K, s_cols = K / 16;
+    std::vector<uint8_t> hq(n / 2), hs(M * s_cols);
+    uint64_t st = 0x2545F4914F6CDD1Dull ^ n;
+    auto next = [&] {
+        st = st * 6364136223846793005ull + 1442695040888963407ull;
+        return (uint8_t)(st >> 56);
+    };
+    for (auto& b : hq) b = next();
+    for (auto& b : hs) b = next() & 0x7E;  // positive finite E4M3 scales
+    uint8_t *q, *sd;
+    bf16* y;
+    float* amax;
+    CK(cudaMalloc(&q, n / 2));
+    CK(cudaMalloc(&sd, hs.size()));
+    CK(cudaMalloc(&y, 2 * n));
+    CK(cudaMalloc(&amax, 4));
+    const float a = 37.5f;
+    CK(cudaMemcpy(q, hq.data(), n / 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(sd, hs.data(), hs.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(amax, &a, 4, cudaMemcpyHostToDevice));
+    const double bytes = n / 2 + hs.size() + 2.0 * n;
+    bf16* y2;
+    CK(cudaMalloc(&y2, 2 * n));
+    const float copy_ms = time_ms([&] { CK(cudaMemcpyAsync(y2, y, 2 * n, cudaMemcpyDeviceToDevice)); });
+    copy_gbs = 4.0 * n / copy_ms / 1e6;
+    CK(cudaFree(y2));
+    auto row = [&](const char* name, auto launch) {
+        CK(cudaMemset(y, 0xFF, 2 * n));
+        report(name, time_ms(launch), bytes, y, 2 * n);
+    };
+    row("nvfp4 rows shipped", [&] { tessera_nvfp4_dequant_bf16<<<cover(n / 8), 256>>>(q, sd, amax, y, M, K, s_cols, 0); });
+    row("nvfp4 rows, 1 unit a thread", [&] { nv_rows<1><<<cover(n / 8), 256>>>(q, sd, amax, y, M, K, s_cols); });
+    row("nvfp4 rows, 2 units a thread", [&] { nv_rows<2><<<cover(n / 16), 256>>>(q, sd, amax, y, M, K, s_cols); });
+    row("nvfp4 rows, 4 units a thread", [&] { nv_rows<4><<<cover(n / 32), 256>>>(q, sd, amax, y, M, K, s_cols); });
+    CK(cudaFree(q));
+    CK(cudaFree(sd));
+    CK(cudaFree(y));
+    CK(cudaFree(amax));
+}
+
 int main() {
     cudaDeviceProp p;
     CK(cudaGetDeviceProperties(&p, 0));
@@ -340,4 +418,6 @@ int main() {
     run_shape(16384, 8192, p.multiProcessorCount);
     run_shape(4096, 4096, p.multiProcessorCount);
     run_shape(8192, 16384, p.multiProcessorCount);
+    run_nvfp4(16384, 8192);
+    run_nvfp4(4096, 4096);
 }

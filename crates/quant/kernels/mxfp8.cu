@@ -280,7 +280,8 @@ MXFP8(f16, __half, e5m2, false)
 // so a unit of DEQ_VALS<T> elements of a row stays inside one 1x32 block: rowwise it has
 // one scale (fp8_dequant_rows); columnwise each of its columns has its own, loaded as
 // one 8- or 4-byte word from a compact grid (rows padded to a multiple of 128 bytes),
-// else byte by byte. Launch: a thread per unit, m * k / DEQ_VALS<T> threads.
+// else byte by byte. Launch: DEQ_UNITS units a thread (for_units), m * k / DEQ_VALS<T>
+// units.
 template <class T, bool E4M3>
 __device__ void mxfp8_dequant_impl(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                    T* __restrict__ y, u64 m, u64 k, u64 s_rows, u64 s_cols,
@@ -292,27 +293,38 @@ __device__ void mxfp8_dequant_impl(const uint8_t* __restrict__ q, const uint8_t*
         return;
     }
     constexpr int V = DEQ_VALS<T>;
-    const u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (g >= m * k / V) return;
-    const DivMod p = divmod(V * g, k);
-    const u64 r = p.q, c = p.r;
-    const Bytes<V> b = load_bytes<V>(q + V * g);
-    union {
+    union Scales {
         Bytes<V> w;
         uint8_t b[V];
-    } e;
-    if (!swizzled && s_cols % V == 0) {
-        e.w = load_bytes<V>(s + (r / 32) * s_cols + c);
-    } else {
+    };
+    struct Unit {
+        Bytes<V> b;
+        Scales e;
+    };
+    const bool vector = !swizzled && s_cols % V == 0;
+    for_units(
+        m * k / V,
+        [&](u64 g) {
+            const DivMod p = divmod(V * g, k);
+            const u64 r = p.q, c = p.r;
+            Unit l;
+            l.b = load_bytes<V>(q + V * g);
+            if (vector) {
+                l.e.w = load_bytes<V>(s + (r / 32) * s_cols + c);
+            } else {
 #pragma unroll
-        for (int j = 0; j < V; ++j)
-            e.b[j] = s[swizzled ? swizzled_index(c + j, r / 32, s_rows) : (r / 32) * s_cols + c + j];
-    }
-    float v[V];
-    fp8_bytes_to_f32<E4M3>(b, v);
+                for (int j = 0; j < V; ++j)
+                    l.e.b[j] = s[swizzled ? swizzled_index(c + j, r / 32, s_rows) : (r / 32) * s_cols + c + j];
+            }
+            return l;
+        },
+        [&](u64 g, const Unit& l) {
+            float v[V];
+            fp8_bytes_to_f32<E4M3>(l.b, v);
 #pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = v[j] * e8m0_value(e.b[j]);
-    store_vec<V>(y + V * g, v);
+            for (int j = 0; j < V; ++j) v[j] = v[j] * e8m0_value(l.e.b[j]);
+            store_vec<V>(y + V * g, v);
+        });
 }
 
 #define MXFP8_DEQUANT(SUFFIX, T, FMT, E4M3)                                                    \

@@ -1056,22 +1056,34 @@ constexpr int NVFP4_DEQ_TILE_M = 256;
 
 // value = e2m1 * ((e4m3 * A) * fp32(1/2688)); m % 16 == 0 and k % 16 == 0.
 
-// Rowwise: a thread per unit of DEQ_VALS<T> elements of a row (inside one 1x16 block):
-// one 4- or 2-byte load, one scale, one 16-byte store; m * k / DEQ_VALS<T> threads.
+// Rowwise: a unit is DEQ_VALS<T> elements of a row (inside one 1x16 block): one 4- or
+// 2-byte load, one scale byte, one 16-byte store; DEQ_UNITS units a thread (for_units),
+// m * k / DEQ_VALS<T> units.
 template <class T>
 __device__ void nvfp4_dequant_rows(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                    const float* __restrict__ amax, T* __restrict__ y, u64 m, u64 k,
                                    u64 s_cols, int swizzled) {
     constexpr int V = DEQ_VALS<T>;
-    const u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (g >= m * k / V) return;
-    const DivMod p = divmod(V * g, k);
-    const uint32_t w = V == 8 ? reinterpret_cast<const uint32_t*>(q)[g] : reinterpret_cast<const uint16_t*>(q)[g];
-    const float sc = nvfp4_decode_scale(s[scale_index(p.q, p.r / 16, s_cols, swizzled)], amax[0]);
-    float v[V];
+    struct Unit {
+        uint32_t w;
+        uint8_t e;
+    };
+    const float A = amax[0];
+    for_units(
+        m * k / V,
+        [&](u64 g) {
+            const DivMod p = divmod(V * g, k);
+            const uint32_t w =
+                V == 8 ? reinterpret_cast<const uint32_t*>(q)[g] : reinterpret_cast<const uint16_t*>(q)[g];
+            return Unit{w, s[scale_index(p.q, p.r / 16, s_cols, swizzled)]};
+        },
+        [&](u64 g, const Unit& l) {
+            const float sc = nvfp4_decode_scale(l.e, A);
+            float v[V];
 #pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = __fmul_rn(e2m1_value((w >> (4 * j)) & 0xFu), sc);
-    store_vec<V>(y + V * g, v);
+            for (int j = 0; j < V; ++j) v[j] = __fmul_rn(e2m1_value((l.w >> (4 * j)) & 0xFu), sc);
+            store_vec<V>(y + V * g, v);
+        });
 }
 
 // Columnwise: q is the [k, m] transpose (m / 2 bytes a row), its 16-element blocks along

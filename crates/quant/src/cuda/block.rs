@@ -119,7 +119,7 @@ pub(crate) fn dequantize(
         (BlockDim::TwoD, true) => 3,
     };
     let a = [m as u64, k as u64, s.shape().dims()[1] as u64];
-    // Columnwise a CTA per 64x256 tile of the stored [k, m]; rowwise a thread per unit
+    // Columnwise a CTA per 64x256 tile of the stored [k, m]; rowwise two units a thread
     // (each striding per element where the stored rows do not split into vectors).
     let cfg = if columnwise {
         dequant_cols_grid(m, k, FP8_DEQ_TILE_M)?

@@ -179,7 +179,7 @@ pub(crate) fn dequantize(
         ),
     )?;
     let n = q.numel() as u64;
-    // Thread per unit of `v` elements, and at least `v` threads for the last n % v.
+    // Units of `v` elements, two a thread, and at least `v` threads for the last n % v.
     let v = dequant_vals(dtype);
     let cfg = dequant_units_grid(q.numel().div_ceil(v).max(v))?;
     let ys = y.cuda_slice_mut()?;

@@ -11,8 +11,9 @@
 //! reads the amax back to the host (and then the second pass launches the ordinary way).
 //!
 //! Dequantizers are one launch each, sized to their work rather than striding: a thread
-//! per 16 bytes of output for data in the output's order (`dequant_units_grid`), a CTA
-//! per shared-memory tile for transposed columnwise data (`dequant_cols_grid`).
+//! per two 16-byte units of output for data in the output's order
+//! (`dequant_units_grid`), a CTA per shared-memory tile for transposed columnwise data
+//! (`dequant_cols_grid`).
 
 pub(crate) mod block;
 pub(crate) mod fp8;
@@ -78,10 +79,16 @@ pub(crate) fn dequant_vals(dtype: DType) -> usize {
     16 / dtype.size_in_bytes()
 }
 
-/// The launch of a dequantizer that gives each thread one unit of work and does not
-/// stride (`fp8_dequant_rows` and its kin): the grid covers all `units`.
+/// Units of work a dequantizing thread takes (`DEQ_UNITS` in `common.cuh`).
+const DEQ_UNITS: usize = 2;
+
+/// The launch of a dequantizer that gives each thread [`DEQ_UNITS`] units of work and does
+/// not stride (`for_units` in `common.cuh`): the grid covers all `units`.
 pub(crate) fn dequant_units_grid(units: usize) -> Result<LaunchConfig> {
-    covering("cuda dequantize", units.div_ceil(BLOCK as usize))
+    covering(
+        "cuda dequantize",
+        units.div_ceil(DEQ_UNITS).div_ceil(BLOCK as usize),
+    )
 }
 
 /// The launch of a columnwise dequantizer that reads its stored `[k, m]` operand in tiles

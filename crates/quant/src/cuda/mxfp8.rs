@@ -105,7 +105,7 @@ pub(crate) fn dequantize(
         s.shape().dims()[1] as u64,
     ];
     let (col, swz) = (i32::from(columnwise), i32::from(swizzled));
-    // Thread per unit of 16 bytes of output (k % 32 == 0: whole units).
+    // Units of 16 bytes of output, two a thread (k % 32 == 0: whole units).
     let cfg = dequant_units_grid(m * k / dequant_vals(dtype))?;
     let ys = y.cuda_slice_mut()?;
     // SAFETY: (const u8* q, const u8* s, T* y, u64 m, u64 k, u64 s_rows, u64 s_cols, int

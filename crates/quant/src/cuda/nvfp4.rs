@@ -277,8 +277,8 @@ pub(crate) fn dequantize(
         ),
     )?;
     let dims = [m as u64, k as u64, s.shape().dims()[1] as u64];
-    // Rowwise a thread per 16 bytes of output (k % 16 == 0: whole units), columnwise a CTA
-    // per tile of the transposed data; only the columnwise kernel takes `rht`.
+    // Rowwise units of 16 bytes of output, two a thread (k % 16 == 0: whole units);
+    // columnwise a CTA per tile of the transposed data; only that kernel takes `rht`.
     let (cfg, flags) = if columnwise {
         (
             dequant_cols_grid(m, k, NVFP4_DEQ_TILE_M)?,
