@@ -429,6 +429,44 @@ mod tests {
     use super::*;
 
     #[test]
+    fn dequantizer_grids_cover_their_work_and_refuse_past_the_grid_limit() {
+        // Two units a thread, in whole CTAs: every unit has a thread, with less than a
+        // CTA to spare.
+        for units in [1usize, 511, 512, 513, 1 << 20, 16384 * 8192 / 8 + 3] {
+            let cfg = dequant_units_grid(units).unwrap();
+            let threads = cfg.grid_dim.0 as usize * BLOCK as usize;
+            assert!(
+                threads * DEQ_UNITS >= units,
+                "{units} units, {threads} threads"
+            );
+            assert!(
+                (threads - BLOCK as usize) * DEQ_UNITS < units,
+                "{units} units, {threads} threads"
+            );
+        }
+        // No work still launches one CTA (the per-tensor kernel's tail needs threads).
+        assert_eq!(dequant_units_grid(0).unwrap().grid_dim, (1, 1, 1));
+        // A CTA per tile of 64 stored rows by `tile_m`, ragged edges rounded up.
+        assert_eq!(
+            dequant_cols_grid(16384, 8192, FP8_DEQ_TILE_M)
+                .unwrap()
+                .grid_dim,
+            (128 * 64, 1, 1)
+        );
+        assert_eq!(
+            dequant_cols_grid(6176, 4192, NVFP4_DEQ_TILE_M)
+                .unwrap()
+                .grid_dim,
+            (66 * 25, 1, 1)
+        );
+        // The kernels do not stride, so a grid past 2^32 - 1 CTAs is an error, not a
+        // silently capped launch.
+        let e = dequant_units_grid(1 << 45).unwrap_err();
+        assert!(matches!(e, Error::Shape { .. }), "{e}");
+        assert!(e.to_string().contains("exceed the launch grid"), "{e}");
+    }
+
+    #[test]
     fn tile_grid_launches_one_cta_per_tile_on_a_1d_grid() {
         let cfg = tile_grid("test", 16384, 8192, 128, 128).unwrap();
         assert_eq!(cfg.grid_dim, (128 * 64, 1, 1));
