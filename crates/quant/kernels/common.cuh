@@ -79,18 +79,6 @@ template <bool E4M3> __device__ __forceinline__ uint8_t fp8(float x) {
     return (uint8_t)(fp8x2<E4M3>(x, 0.0f) & 0xFF);
 }
 
-// FP8 byte to float (exact, via f16).
-template <bool E4M3> __device__ __forceinline__ float fp8_to_f32(uint8_t b) {
-    uint32_t h;
-    uint16_t in = b;
-    if (E4M3) {
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(in));
-    } else {
-        asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h) : "h"(in));
-    }
-    return __half2float(__ushort_as_half((unsigned short)(h & 0xFFFF)));
-}
-
 // Two FP8 bytes (bits 0-7 and 8-15 of `two`) to two floats, exactly (through f16x2).
 template <bool E4M3> __device__ __forceinline__ void fp8x2_to_f32(uint32_t two, float* v) {
     uint32_t h;
@@ -102,6 +90,13 @@ template <bool E4M3> __device__ __forceinline__ void fp8x2_to_f32(uint32_t two, 
     }
     v[0] = __half2float(__ushort_as_half((unsigned short)(h & 0xFFFF)));
     v[1] = __half2float(__ushort_as_half((unsigned short)(h >> 16)));
+}
+
+// FP8 byte to float (exact, via f16).
+template <bool E4M3> __device__ __forceinline__ float fp8_to_f32(uint8_t b) {
+    float v[2];
+    fp8x2_to_f32<E4M3>(b, v);
+    return v[0];
 }
 
 // ---- packed pairs of 2-byte inputs ----------------------------------------------------
@@ -341,6 +336,19 @@ template <int N, class T> __device__ __forceinline__ void store_vec(T* p, const 
     for (int l = 0; l < L; ++l) store_global16(reinterpret_cast<uint4*>(p) + l, b.u[l]);
 }
 
+// The dequantizers' fallback for rows that do not split into vectors: the threads stride
+// over y's m * k elements one at a time; q holds them in y's order, or transposed ([k, m])
+// when `transposed`.
+template <class T, bool E4M3, class Scale>
+__device__ __forceinline__ void fp8_dequant_each(const uint8_t* __restrict__ q, T* __restrict__ y, u64 m, u64 k,
+                                                 bool transposed, Scale scale) {
+    const u64 n = m * k, stride = (u64)gridDim.x * blockDim.x;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += stride) {
+        const DivMod p = divmod(e, k);
+        y[e] = In<T>::from(fp8_to_f32<E4M3>(q[transposed ? p.r * m + p.q : e]) * scale(p.q, p.r));
+    }
+}
+
 // Units a dequantizing thread takes. A warp takes 32 * DEQ_UNITS consecutive units, lane
 // l the units l, l + 32, ..., so each of its store instructions still covers 512
 // contiguous bytes, and a thread issues all its loads (data and scales) before its first
@@ -397,11 +405,7 @@ __device__ __forceinline__ void fp8_dequant_rows(const uint8_t* __restrict__ q, 
             });
         return;
     }
-    const u64 stride = (u64)gridDim.x * blockDim.x;
-    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += stride) {
-        const DivMod p = divmod(e, k);
-        y[e] = In<T>::from(fp8_to_f32<E4M3>(q[e]) * scale(p.q, p.r));
-    }
+    fp8_dequant_each<T, E4M3>(q, y, m, k, false, scale);
 }
 
 // The shared-memory tile of fp8_dequant_cols: DEQ_TILE_K stored rows (output columns) by
@@ -425,11 +429,7 @@ __device__ __forceinline__ void fp8_dequant_cols(const uint8_t* __restrict__ q, 
                                                  Scale scale) {
     const u64 tiles_m = (m + DEQ_TILE_M - 1) / DEQ_TILE_M;
     if (m % 16 != 0) {
-        const u64 n = m * k, stride = (u64)gridDim.x * blockDim.x;
-        for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += stride) {
-            const DivMod p = divmod(e, k);
-            y[e] = In<T>::from(fp8_to_f32<E4M3>(q[p.r * m + p.q]) * scale(p.q, p.r));
-        }
+        fp8_dequant_each<T, E4M3>(q, y, m, k, true, scale);
         return;
     }
     // Row j of the tile holds its 256 bytes as 64 words, word w at w ^ swz(j): with
