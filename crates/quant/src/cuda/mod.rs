@@ -95,10 +95,8 @@ pub(crate) fn dequant_units_grid(units: usize) -> Result<LaunchConfig> {
 /// of 64 stored rows by `tile_m` elements along `m`, a CTA per tile: `fp8_dequant_cols`
 /// ([`FP8_DEQ_TILE_M`]) and NVFP4's ([`NVFP4_DEQ_TILE_M`]).
 pub(crate) fn dequant_cols_grid(m: usize, k: usize, tile_m: usize) -> Result<LaunchConfig> {
-    covering(
-        "cuda dequantize columnwise",
-        k.div_ceil(64) * m.div_ceil(tile_m),
-    )
+    // The stored operand is [k, m]: its row-major tiles are what the kernels map blockIdx to.
+    tile_grid("cuda dequantize columnwise", k, m, 64, tile_m)
 }
 
 /// `DEQ_TILE_M` in `common.cuh`.
@@ -106,18 +104,19 @@ pub(crate) const FP8_DEQ_TILE_M: usize = 256;
 /// `NVFP4_DEQ_TILE_M` in `nvfp4.cu`.
 pub(crate) const NVFP4_DEQ_TILE_M: usize = 256;
 
-/// `blocks` CTAs of `BLOCK` threads on a 1-D grid, refused past the grid's limit (the
-/// kernels launched this way do not stride, so a capped grid would leave work undone).
+/// `blocks` CTAs of `BLOCK` threads on a 1-D grid, refused past the grid's limit of
+/// 2^31 - 1 CTAs in x (the kernels launched this way do not stride, so a capped grid would
+/// leave work undone).
 fn covering(op: &'static str, blocks: usize) -> Result<LaunchConfig> {
-    let blocks = u32::try_from(blocks.max(1)).map_err(|_| {
+    let blocks = i32::try_from(blocks.max(1)).map_err(|_| {
         Error::shape(
             op,
             format!(
                 "{blocks} thread blocks exceed the launch grid's limit of {}",
-                u32::MAX
+                i32::MAX
             ),
         )
-    })?;
+    })? as u32;
     Ok(LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (BLOCK, 1, 1),
@@ -459,8 +458,17 @@ mod tests {
                 .grid_dim,
             (66 * 25, 1, 1)
         );
-        // The kernels do not stride, so a grid past 2^32 - 1 CTAs is an error, not a
-        // silently capped launch.
+        // The kernels do not stride, so a grid past 2^31 - 1 CTAs (CUDA's limit in x) is an
+        // error, not a silently capped launch.
+        let per_cta = BLOCK as usize * DEQ_UNITS;
+        assert_eq!(
+            dequant_units_grid(i32::MAX as usize * per_cta)
+                .unwrap()
+                .grid_dim,
+            (i32::MAX as u32, 1, 1)
+        );
+        assert!(dequant_units_grid((i32::MAX as usize + 1) * per_cta).is_err());
+        assert!(dequant_cols_grid(1 << 40, 1 << 20, FP8_DEQ_TILE_M).is_err());
         let e = dequant_units_grid(1 << 45).unwrap_err();
         assert!(matches!(e, Error::Shape { .. }), "{e}");
         assert!(e.to_string().contains("exceed the launch grid"), "{e}");
