@@ -120,10 +120,17 @@ __device__ __forceinline__ float e2m1_value(uint32_t code) {
     return __fmul_rn(__uint_as_float(((code & 7u) << 22) | ((code & 8u) << 28)), __uint_as_float(0x7E800000u));
 }
 
-// The 16 values of a packed block (element j in bits 4j .. 4j+3 of w.x, then w.y) times sc.
-__device__ __forceinline__ void e2m1x16_values(uint2 w, float sc, float* v) {
+// N packed E2M1 values (element j in bits 4j .. 4j+3 of the words w[0], w[1], ...) times
+// sc.
+template <int N> __device__ __forceinline__ void e2m1_values(const uint32_t* w, float sc, float* v) {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) v[j] = __fmul_rn(e2m1_value(((j < 8 ? w.x : w.y) >> (4 * (j % 8))) & 0xFu), sc);
+    for (int j = 0; j < N; ++j) v[j] = __fmul_rn(e2m1_value((w[j / 8] >> (4 * (j % 8))) & 0xFu), sc);
+}
+
+// The 16 values of a packed block (w.x, then w.y) times sc.
+__device__ __forceinline__ void e2m1x16_values(uint2 w, float sc, float* v) {
+    const uint32_t words[2] = {w.x, w.y};
+    e2m1_values<16>(words, sc, v);
 }
 
 // ---- scales ---------------------------------------------------------------------------
@@ -1080,8 +1087,7 @@ __device__ void nvfp4_dequant_rows(const uint8_t* __restrict__ q, const uint8_t*
         [&](u64 g, const Unit& l) {
             const float sc = nvfp4_decode_scale(l.e, A);
             float v[V];
-#pragma unroll
-            for (int j = 0; j < V; ++j) v[j] = __fmul_rn(e2m1_value((l.w >> (4 * j)) & 0xFu), sc);
+            e2m1_values<V>(&l.w, sc, v);
             store_vec<V>(y + V * g, v);
         });
 }
