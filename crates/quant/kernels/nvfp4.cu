@@ -282,7 +282,19 @@ struct Nvfp4Args {
     u64 s_col_cols;
     int two_d, rht, swizzled, sr;
     u64 seed, off_row, off_col;  // stochastic-rounding streams
+    float* amax_copy;            // receives amax_row[0] (null: no copy), see copy_amax
 };
+
+// Both orientations without the RHT share one global amax, which the caller keeps in two
+// buffers: the amax pass fills one and the kernel copies it to the other (thread 0 of
+// CTA 0, after waiting for that pass), so the caller neither replaces a buffer nor
+// launches a copy.
+__device__ __forceinline__ void copy_amax(const Nvfp4Args& a) {
+    if (a.amax_copy != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+        pdl_wait();
+        *a.amax_copy = a.amax_row[0];
+    }
+}
 
 // ---- 1-D round to nearest without the RHT: the common cases, one entry point each -------
 
@@ -842,6 +854,7 @@ __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLan
 // or, for 2-byte inputs, both_tile_rs's recipes.
 template <class T, bool Rht = false, bool Sr = false>
 __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
+    copy_amax(a);
     const BothLane l;
     const TileRC tile = tile_banded((uint32_t)((a.m + 127) / 128));
     const u64 R0 = (u64)tile.row * 128, C0 = (u64)tile.col * 128;  // the CTA's tile
@@ -905,6 +918,7 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
     __shared__ float tile[64][64 + 1];
     __shared__ float blk[64][4];       // 1x16 block amaxes (rowwise) / transformed (columnwise)
     __shared__ float tmax[4][4];       // 16x16 tile amaxes
+    copy_amax(a);
     const int t = threadIdx.x;
     // Tile rows fastest (column-major, the order of its former 2-D grid), unlike the other
     // tile kernels. The division made the compiler take 63 registers instead of 48 (4

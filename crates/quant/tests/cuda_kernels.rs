@@ -911,6 +911,63 @@ fn amax_passes_start_from_zero_every_call() {
     }
 }
 
+/// A quantization captured into a CUDA graph (input and output allocated before the
+/// capture) replays on whatever the input holds at each replay: new values are copied
+/// into the input between replays, and every replay's output matches the CPU's
+/// quantization of those values, byte for byte.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn quantizers_replay_in_a_cuda_graph() {
+    require_gpu();
+    let dev = tessera_core::cuda::device(0).unwrap();
+    type Make = fn() -> Box<dyn Quantizer>;
+    let quantizers: [(&str, Make); 5] = [
+        ("fp8 current scaling", || {
+            Box::new(Fp8CurrentScaling::new(Fp8Format::E4M3).with_usage(Usage::Both))
+        }),
+        ("mxfp8", || {
+            Box::new(Mxfp8Quantizer::new(Fp8Format::E4M3).with_usage(Usage::Both))
+        }),
+        ("fp8 block 1x128", || {
+            Box::new(
+                Fp8BlockQuantizer::new(Fp8Format::E4M3, BlockDim::OneD).with_usage(Usage::Both),
+            )
+        }),
+        ("nvfp4", || {
+            Box::new(Nvfp4Quantizer::new().with_usage(Usage::Both))
+        }),
+        ("nvfp4 rht", || {
+            Box::new(Nvfp4Quantizer::new().with_rht(true).with_usage(Usage::Both))
+        }),
+    ];
+    let shape = [512usize, 1024];
+    for dtype in [DType::BF16, DType::F32] {
+        for (name, make) in quantizers {
+            let mut q = make();
+            let mut x = input(&shape, dtype, 9000).to_device(GPU).unwrap();
+            let mut out = q.make_empty(x.shape(), dtype, GPU).unwrap();
+            let graph = tessera_core::cuda::Graph::capture(&dev, || q.quantize_into(&x, &mut out))
+                .unwrap_or_else(|e| panic!("{name} {dtype}: capture: {e}"));
+            for replay in 0..3u64 {
+                // Magnitudes move by 2^8 from replay to replay (a stale amax would show).
+                let v: Vec<f32> = values(shape[0] * shape[1], 9100 + replay)
+                    .iter()
+                    .map(|x| x * 2f32.powi(8 * (replay as i32 % 2)))
+                    .collect();
+                let host = tensor_of(&v, &shape, dtype);
+                dev.stream()
+                    .memcpy_htod(&host.to_bytes().unwrap()[..], x.cuda_slice_mut().unwrap())
+                    .unwrap();
+                graph
+                    .replay()
+                    .unwrap_or_else(|e| panic!("{name} {dtype}: replay {replay}: {e}"));
+                let want = make().quantize(&host).unwrap();
+                assert_same(&out, &want, &format!("{name} {dtype}, replay {replay}"));
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn stochastic_rounding_advances_the_generator_like_the_cpu() {

@@ -14,9 +14,17 @@ use crate::{BufferName, Fp8Format, QuantizedTensor};
 
 /// NaN-ignoring `max |x|` of a CUDA tensor into a new device `f32 [1]`.
 pub(crate) fn amax(x: &Tensor) -> Result<Tensor> {
+    let mut out = Tensor::empty([1], DType::F32, x.device())?;
+    amax_into(x, &mut out)?;
+    Ok(out)
+}
+
+/// NaN-ignoring `max |x|` of a CUDA tensor into `out`, a device `f32 [1]` on `x`'s
+/// device, which is cleared first (the pass accumulates with atomic maxima).
+pub(crate) fn amax_into(x: &Tensor, out: &mut Tensor) -> Result<()> {
     const OP: &str = "cuda amax";
     let dev = device_of(x)?;
-    let mut out = Tensor::zeros([1], DType::F32, x.device())?;
+    let dst = scalar_target(OP, &dev, x, out)?;
     let n = x.numel() as u64;
     let f = dev.function(
         &FP8_PTX,
@@ -24,15 +32,44 @@ pub(crate) fn amax(x: &Tensor) -> Result<Tensor> {
     )?;
     let per = 16 / x.dtype().size_in_bytes();
     let cfg = grid_1d(&dev, x.numel().div_ceil(per), BLOCK)?;
-    let dst = out.cuda_slice_mut()?;
     // SAFETY: tessera_amax_T(const T* x, u64 n, float* out): x holds n elements of T
-    // (dtype-checked by the kernel name), out one float.
+    // (dtype-checked by the kernel name), out one zeroed float.
     unsafe {
         launch(&dev, &f, cfg, OP, |b| {
             b.arg(x.cuda_slice().expect("checked")).arg(&n).arg(dst);
         })
     }?;
-    Ok(out)
+    Ok(())
+}
+
+/// `out`'s device slice, zeroed on the stream, once `out` is checked to be an `f32 [1]`
+/// on `x`'s device (a global amax a kernel accumulates into).
+pub(crate) fn scalar_target<'a>(
+    op: &'static str,
+    dev: &CudaDevice,
+    x: &Tensor,
+    out: &'a mut Tensor,
+) -> Result<&'a mut cudarc::driver::CudaSlice<u8>> {
+    if out.dtype() != DType::F32 || out.numel() != 1 || out.device() != x.device() {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "an amax buffer must be an f32 [1] tensor on {}, got {} {} on {}",
+                x.device(),
+                out.dtype(),
+                out.shape(),
+                out.device()
+            ),
+        ));
+    }
+    let dst = out.cuda_slice_mut()?;
+    dev.stream()
+        .memset_zeros(&mut *dst)
+        .map_err(|e| Error::Cuda {
+            op,
+            msg: e.to_string(),
+        })?;
+    Ok(dst)
 }
 
 /// Where a cast takes its scale from: a device `f32 [1]` (delayed scaling, or a scale

@@ -13,7 +13,7 @@ use super::{
     tile_grid,
 };
 use crate::values::check_input;
-use crate::{AmaxReduction, BufferName, QuantizedTensor};
+use crate::{AmaxReduction, BufferName, QuantizedTensor, Usage};
 
 /// The 1x16 blocks each thread of the rowwise kernel quantizes (`NVFP4_ROW_BLOCKS` in
 /// kernels/nvfp4.cu).
@@ -40,30 +40,34 @@ struct Nvfp4Args {
     seed: u64,
     off_row: u64,
     off_col: u64,
+    amax_copy: u64,
 }
 
 // SAFETY: a #[repr(C)] struct of integers laid out exactly as the kernel's `Nvfp4Args`
 // (all fields naturally aligned, no padding), passed by value.
 unsafe impl DeviceRepr for Nvfp4Args {}
 
-/// `a` all-reduced through `reduction` when given (which reads it back).
-fn reduced(a: Tensor, reduction: Option<&Arc<dyn AmaxReduction>>) -> Result<Tensor> {
-    match reduction {
-        Some(r) => {
-            let v = r.all_reduce_max(a.to_vec::<f32>()?[0])?;
-            Tensor::from_slice(&[v], [1], a.device())
-        }
-        None => Ok(a),
-    }
+/// All-reduces the device scalar `a` in place through `reduction` (which reads it back
+/// to the host).
+fn reduce_in_place(a: &mut Tensor, reduction: &Arc<dyn AmaxReduction>) -> Result<()> {
+    let v = reduction.all_reduce_max(a.to_vec::<f32>()?[0])?;
+    let dev = device_of(a)?;
+    dev.stream()
+        .memcpy_htod(&v.to_le_bytes()[..], a.cuda_slice_mut()?)
+        .map_err(|e| Error::Cuda {
+            op: "cuda nvfp4 amax reduction",
+            msg: e.to_string(),
+        })
 }
 
 /// The global amaxes of an RHT quantization on the device, from one read of `x`:
-/// `max |x|` (rowwise) and `max |RHT(xᵀ)|` (columnwise).
-fn rht_amaxes(dev: &CudaDevice, x: &Tensor) -> Result<(Tensor, Tensor)> {
+/// `max |x|` (rowwise) into `row` and `max |RHT(xᵀ)|` (columnwise) into `col`, both
+/// `f32 [1]` on `x`'s device and cleared first.
+fn rht_amaxes_into(dev: &CudaDevice, x: &Tensor, row: &mut Tensor, col: &mut Tensor) -> Result<()> {
     const OP: &str = "cuda nvfp4 amax";
     let (m, k) = x.shape().flat_2d();
-    let mut row = Tensor::zeros([1], DType::F32, x.device())?;
-    let mut col = Tensor::zeros([1], DType::F32, x.device())?;
+    let r = super::fp8::scalar_target(OP, dev, x, row)?;
+    let c = super::fp8::scalar_target(OP, dev, x, col)?;
     let f = dev.function(
         &NVFP4_PTX,
         &format!("tessera_nvfp4_rht_amax_{}", dtype_suffix(OP, x.dtype())?),
@@ -72,7 +76,6 @@ fn rht_amaxes(dev: &CudaDevice, x: &Tensor) -> Result<(Tensor, Tensor)> {
     // A thread per run of 16 rows of RHT_AMAX_COLS columns (8 for 2-byte types).
     let cols = if x.dtype().size_in_bytes() == 2 { 8 } else { 1 };
     let cfg = grid_1d(dev, (m / 16) * (k / cols), BLOCK)?;
-    let (r, c) = (row.cuda_slice_mut()?, col.cuda_slice_mut()?);
     // SAFETY: (const T* x, u64 m, u64 k, float* row, float* col): x is [m, k] with m and
     // k multiples of 16 (checked by the quantizer), so 8-column groups of 2-byte T are
     // 16-byte aligned rows of a 256-byte-aligned allocation; row and col are distinct
@@ -85,8 +88,121 @@ fn rht_amaxes(dev: &CudaDevice, x: &Tensor) -> Result<(Tensor, Tensor)> {
                 .arg(r)
                 .arg(c);
         })
-    }?;
-    Ok((row, col))
+    }
+}
+
+/// The global amaxes of a quantization, in `out`'s own amax buffers: `Amax` for the
+/// rowwise data and `ColumnwiseAmax` for the columnwise data, each taken out of `out`
+/// (the caller puts them back). Nothing of `out` is replaced or freed, so the
+/// quantization can be captured into a CUDA graph: a buffer dropped during capture
+/// would free memory the graph does not own, which fails the capture.
+struct Amaxes {
+    row: Option<Tensor>,
+    col: Option<Tensor>,
+    /// The RHT's rowwise amax when `out` has no rowwise data (the pass computes both).
+    spare: Option<Tensor>,
+}
+
+impl Amaxes {
+    /// `usage` is `out`'s, from before [`Outputs::take`] (which leaves `out` without
+    /// data buffers, from which its usage is read).
+    fn take(out: &mut QuantizedTensor, usage: Usage) -> Result<Self> {
+        let row = match usage.rowwise() {
+            true => Some(out.take_buffer(BufferName::Amax)?),
+            false => None,
+        };
+        let col = match usage.columnwise() {
+            true => match out.take_buffer(BufferName::ColumnwiseAmax) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    if let Some(t) = row {
+                        out.put_buffer(BufferName::Amax, t);
+                    }
+                    return Err(e);
+                }
+            },
+            false => None,
+        };
+        Ok(Amaxes {
+            row,
+            col,
+            spare: None,
+        })
+    }
+
+    /// Runs the amax pass(es) over `x` (with the RHT: both amaxes in one pass) and the
+    /// all-reduce, if any. Without the RHT both orientations share one amax: it goes
+    /// into the rowwise buffer when there is one, and the kernel copies it to the other
+    /// (`copy_target`).
+    fn compute(
+        &mut self,
+        dev: &CudaDevice,
+        x: &Tensor,
+        rht: bool,
+        reduction: Option<&Arc<dyn AmaxReduction>>,
+    ) -> Result<()> {
+        if rht {
+            let spare = match &self.row {
+                Some(_) => None,
+                None => Some(Tensor::empty([1], DType::F32, x.device())?),
+            };
+            self.spare = spare;
+            let (Some(row), Some(col)) =
+                (self.row.as_mut().or(self.spare.as_mut()), self.col.as_mut())
+            else {
+                return Err(Error::state(
+                    "cuda nvfp4 amax",
+                    "the RHT applies to the columnwise operand, and the output has none",
+                ));
+            };
+            rht_amaxes_into(dev, x, row, col)?;
+            if let Some(r) = reduction {
+                reduce_in_place(row, r)?;
+                reduce_in_place(col, r)?;
+            }
+        } else {
+            let a = self.shared_mut()?;
+            super::fp8::amax_into(x, a)?;
+            if let Some(r) = reduction {
+                reduce_in_place(a, r)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The buffer the amax pass fills without the RHT.
+    fn shared_mut(&mut self) -> Result<&mut Tensor> {
+        self.row
+            .as_mut()
+            .or(self.col.as_mut())
+            .ok_or_else(|| Error::state("cuda nvfp4 amax", "the output has neither orientation"))
+    }
+
+    /// Device addresses for the kernel: (rowwise amax, columnwise amax, copy target).
+    fn addrs(&self, dev: &CudaDevice, rht: bool) -> Result<(u64, u64, u64)> {
+        let addr = |t: Option<&Tensor>| t.map_or(Ok(0), |t| device_addr(dev, t));
+        if rht {
+            let row = addr(self.row.as_ref().or(self.spare.as_ref()))?;
+            Ok((row, addr(self.col.as_ref())?, 0))
+        } else {
+            let shared = addr(self.row.as_ref().or(self.col.as_ref()))?;
+            // Both orientations: the pass filled `row`, the kernel copies it into `col`.
+            let copy = match self.row.is_some() {
+                true => addr(self.col.as_ref())?,
+                false => 0,
+            };
+            Ok((shared, shared, copy))
+        }
+    }
+
+    fn put_back(self, out: &mut QuantizedTensor) {
+        if let Some(t) = self.row {
+            out.put_buffer(BufferName::Amax, t);
+        }
+        if let Some(t) = self.col {
+            out.put_buffer(BufferName::ColumnwiseAmax, t);
+        }
+    }
 }
 
 /// Quantizes `x` into `out` (NVFP4, its usage's buffers).
@@ -166,20 +282,18 @@ pub(crate) fn quantize_into(
     // The outputs (their scale padding cleared) before the amax pass, so that the
     // kernel follows that pass directly and can overlap its tail.
     let o = Outputs::take(&dev, out, OP, [[m, k / 16], [k, m / 16]])?;
-    let amaxes = if rht {
-        rht_amaxes(&dev, x).and_then(|(r, c)| Ok((reduced(r, reduction)?, reduced(c, reduction)?)))
-    } else {
-        super::fp8::amax(x)
-            .and_then(|a| reduced(a, reduction))
-            .map(|a| (a.clone(), a))
-    };
-    let (a_row, a_col) = match amaxes {
+    let mut amaxes = match Amaxes::take(out, usage) {
         Ok(a) => a,
         Err(e) => {
             o.put_back(out);
             return Err(e);
         }
     };
+    if let Err(e) = amaxes.compute(&dev, x, rht, reduction) {
+        amaxes.put_back(out);
+        o.put_back(out);
+        return Err(e);
+    }
     // A reduction reads the amax back and writes the reduced one: the kernel then
     // follows that copy, not the amax pass.
     let order = match reduction {
@@ -189,11 +303,12 @@ pub(crate) fn quantize_into(
     let (q_row, s_row, q_col, s_col) = (&o.q_row, &o.s_row, &o.q_col, &o.s_col);
     let p = |t: &Option<Tensor>| t.as_ref().map_or(Ok(0), |t| device_addr(&dev, t));
     let cols = |t: &Option<Tensor>| t.as_ref().map_or(0, |t| t.shape().dims()[1] as u64);
+    let (amax_row, amax_col, amax_copy) = amaxes.addrs(&dev, rht)?;
     let args = Nvfp4Args {
         m: m as u64,
         k: k as u64,
-        amax_row: device_addr(&dev, &a_row)?,
-        amax_col: device_addr(&dev, &a_col)?,
+        amax_row,
+        amax_col,
         q_row: p(q_row)?,
         s_row: p(s_row)?,
         s_row_cols: cols(s_row),
@@ -207,6 +322,7 @@ pub(crate) fn quantize_into(
         seed,
         off_row,
         off_col,
+        amax_copy,
     };
     let xa = device_addr(&dev, x)?;
     let (mu, ku, tiles) = (m as u64, k as u64, col_tiles as u64);
@@ -223,24 +339,18 @@ pub(crate) fn quantize_into(
     }
     // SAFETY: x is [m, k] with m, k multiples of 16 (checked by the quantizer); the
     // pointers address live buffers of `out` (data [m, k/2] and [k, m/2] bytes, the
-    // padded scale grids) and the amax scalars, all of which outlive the launch on this
-    // stream; null pointers mark absent usages. The row kernel takes (const T* x, u64 m,
-    // u64 k, const float* amax, u8* q, u8* s, u64 s_cols, int swizzled, u64 col_tiles),
-    // its grid covering (m / 16) x col_tiles tiles exactly; the others (const T* x,
-    // Nvfp4Args a), their tiles (128x128 banded or 64x64) covering [m, k]. Every one
-    // loads only its input before pdl_wait(), and the amax pass ran last when there is
-    // no reduction.
-    unsafe { launch_params(&dev, &f, cfg, OP, order, &mut params) }?;
-    let put_amax = |out: &mut QuantizedTensor, name, a: &Tensor| -> Result<()> {
-        if out.buffer(name).is_some() {
-            out.take_buffer(name)?;
-            out.put_buffer(name, a.clone());
-        }
-        Ok(())
-    };
-    put_amax(out, BufferName::Amax, &a_row)?;
-    put_amax(out, BufferName::ColumnwiseAmax, &a_col)?;
+    // padded scale grids, the f32 [1] amaxes, and the amax copy target, distinct from
+    // the amax it copies) and the spare amax, all of which outlive the launch on this
+    // stream (the spare is freed in stream order after it); null pointers mark absent
+    // usages. The row kernel takes (const T* x, u64 m, u64 k, const float* amax, u8* q,
+    // u8* s, u64 s_cols, int swizzled, u64 col_tiles), its grid covering (m / 16) x
+    // col_tiles tiles exactly; the others (const T* x, Nvfp4Args a), their tiles
+    // (128x128 banded or 64x64) covering [m, k]. Every one reads nothing the amax pass
+    // writes before pdl_wait(), and the amax pass ran last when there is no reduction.
+    let launched = unsafe { launch_params(&dev, &f, cfg, OP, order, &mut params) };
+    amaxes.put_back(out);
     o.put_back(out);
+    launched?;
     out.source_dtype = x.dtype();
     Ok(())
 }
