@@ -2,7 +2,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUmemPool_attribute, CUmemoryPool};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
 
 use super::CudaResultExt;
@@ -92,6 +92,23 @@ impl CudaDevice {
         // events to order its uses.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().cuda_op("cuStreamCreate")?;
+        let pool = default_pool(&ctx)?;
+        // Stream-ordered allocations (`alloc_bytes`) come from the device's default pool,
+        // which by default hands freed memory back to the driver at every
+        // synchronisation: a loop that allocates its outputs then pays for mapping fresh
+        // pages on every call. Keep freed memory in the pool instead, as PyTorch's
+        // allocators do; `release_cached_memory` hands it back.
+        let mut threshold = u64::MAX;
+        // SAFETY: `pool` is the device's live default pool, and the release threshold
+        // attribute takes a u64, which `threshold` is.
+        unsafe {
+            cudarc::driver::result::mem_pool::set_attribute(
+                pool,
+                CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast(),
+            )
+        }
+        .cuda_op("cuMemPoolSetAttribute")?;
         let attr = |a| ctx.attribute(a).cuda_op("cuDeviceGetAttribute");
         let multiprocessors =
             attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
@@ -186,6 +203,17 @@ impl CudaDevice {
         self.stream.synchronize().cuda_op("cuStreamSynchronize")
     }
 
+    /// Waits for the tessera stream, then hands the memory that freed buffers left
+    /// cached in the device's default pool back to the driver (PyTorch's
+    /// `torch.cuda.empty_cache`). Freed memory otherwise stays cached for later
+    /// allocations, so that steady-state allocation costs no page mapping.
+    pub fn release_cached_memory(&self) -> Result<()> {
+        self.synchronize()?;
+        let pool = default_pool(&self.ctx)?;
+        // SAFETY: `pool` is the device's live default pool.
+        unsafe { cudarc::driver::result::mem_pool::trim_to(pool, 0) }.cuda_op("cuMemPoolTrimTo")
+    }
+
     /// An allocation of `bytes` bytes on the tessera stream, contents unspecified.
     ///
     /// Zero-byte requests allocate one byte, so a buffer always has a valid address.
@@ -194,6 +222,14 @@ impl CudaDevice {
         // is a valid value; callers that care about contents write before they read.
         unsafe { self.stream.alloc::<u8>(bytes.max(1)) }.cuda_op("cuMemAllocAsync")
     }
+}
+
+/// The default memory pool of `ctx`'s device.
+fn default_pool(ctx: &CudaContext) -> Result<CUmemoryPool> {
+    // SAFETY: `cu_device` is the handle of a device the driver enumerated (the context
+    // was created on it).
+    unsafe { cudarc::driver::result::device::get_default_mem_pool(ctx.cu_device()) }
+        .cuda_op("cuDeviceGetDefaultMemPool")
 }
 
 impl fmt::Debug for CudaDevice {
