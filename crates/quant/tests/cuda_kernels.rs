@@ -911,10 +911,10 @@ fn amax_passes_start_from_zero_every_call() {
     }
 }
 
-/// A quantization captured into a CUDA graph (input and output allocated before the
-/// capture) replays on whatever the input holds at each replay: new values are copied
-/// into the input between replays, and every replay's output matches the CPU's
-/// quantization of those values, byte for byte.
+/// A quantization and a dequantization of its columnwise data, captured into a CUDA
+/// graph (input and outputs allocated before the capture), replay on whatever the input
+/// holds at each replay: new values are copied into the input between replays, and every
+/// replay's outputs match the CPU's, byte for byte.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn quantizers_replay_in_a_cuda_graph() {
@@ -946,8 +946,12 @@ fn quantizers_replay_in_a_cuda_graph() {
             let mut q = make();
             let mut x = input(&shape, dtype, 9000).to_device(GPU).unwrap();
             let mut out = q.make_empty(x.shape(), dtype, GPU).unwrap();
-            let graph = tessera_core::cuda::Graph::capture(&dev, || q.quantize_into(&x, &mut out))
-                .unwrap_or_else(|e| panic!("{name} {dtype}: capture: {e}"));
+            let mut back = Tensor::zeros(shape, DType::F32, GPU).unwrap();
+            let graph = tessera_core::cuda::Graph::capture(&dev, || {
+                q.quantize_into(&x, &mut out)?;
+                out.dequantize_into(Usage::Columnwise, &mut back)
+            })
+            .unwrap_or_else(|e| panic!("{name} {dtype}: capture: {e}"));
             for replay in 0..3u64 {
                 // Magnitudes move by 2^8 from replay to replay (a stale amax would show).
                 let v: Vec<f32> = values(shape[0] * shape[1], 9100 + replay)
@@ -963,9 +967,59 @@ fn quantizers_replay_in_a_cuda_graph() {
                     .unwrap_or_else(|e| panic!("{name} {dtype}: replay {replay}: {e}"));
                 let want = make().quantize(&host).unwrap();
                 assert_same(&out, &want, &format!("{name} {dtype}, replay {replay}"));
+                assert_eq!(
+                    back.to_bytes().unwrap(),
+                    want.dequantize_usage(Usage::Columnwise, DType::F32)
+                        .unwrap()
+                        .to_bytes()
+                        .unwrap(),
+                    "{name} {dtype}, replay {replay}: columnwise dequantization"
+                );
             }
         }
     }
+}
+
+/// Freed device memory stays cached in the device's pool (so that `quantize`, which
+/// allocates its outputs, maps no fresh pages in a steady loop) until
+/// `release_cached_memory` hands it back; quantizing afterwards still works.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn freed_device_memory_stays_cached_until_released() {
+    require_gpu();
+    let dev = tessera_core::cuda::device(0).unwrap();
+    let free = || {
+        dev.context().bind_to_thread().unwrap();
+        dev.synchronize().unwrap();
+        cudarc::driver::result::mem_get_info().unwrap().0
+    };
+    const BIG: usize = 2 << 30;
+    let before = free();
+    let t = Tensor::empty([BIG], DType::U8, GPU).unwrap();
+    let held = free();
+    drop(t);
+    let cached = free();
+    dev.release_cached_memory().unwrap();
+    let released = free();
+    assert!(
+        held + BIG / 2 <= before,
+        "allocating 2 GiB: {before} -> {held} bytes free"
+    );
+    assert!(
+        cached + BIG / 2 <= before,
+        "freed memory left the pool: {cached} free after the drop, {before} before"
+    );
+    assert!(
+        released >= cached + BIG / 2,
+        "release_cached_memory: {cached} -> {released} bytes free"
+    );
+    let x = input(&[256, 512], DType::BF16, 42);
+    let mut q = Fp8CurrentScaling::new(Fp8Format::E4M3).with_usage(Usage::Both);
+    check_quantizer(
+        &mut q,
+        &x,
+        "fp8 current scaling after release_cached_memory",
+    );
 }
 
 #[test]
