@@ -17,6 +17,14 @@
 //! `dequantize_into` a tensor the caller keeps) runs where the data lives: a CUDA tensor
 //! is dequantized by one kernel launch, with no host round trip.
 //!
+//! On a CUDA device, [`Quantizer::quantize_into`] and
+//! [`QuantizedTensor::dequantize_into`] replace none of the output's buffers and keep no
+//! allocation past the call, so both can be captured into a CUDA graph
+//! (`tessera_core::cuda::Graph`) and replayed on whatever the input holds: the GPU tests
+//! replay FP8 current scaling, MXFP8, FP8 block and NVFP4 (with and without the RHT)
+//! against the CPU. [`Fp8DelayedScaling`] keeps its history and scale on the host, so a
+//! graph would replay the scale it was captured with.
+//!
 //! The CPU reference is built from small public functions per step (casts in [`cast`],
 //! amax and scales in [`scale`], layouts in [`layout`], and each format's block
 //! quantizers), so the CUDA kernels can be checked against them one by one.
