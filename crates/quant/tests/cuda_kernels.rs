@@ -1022,6 +1022,46 @@ fn freed_device_memory_stays_cached_until_released() {
     );
 }
 
+/// An amax all-reduce that stands for other ranks whose amax is `floor`.
+struct OtherRanks {
+    floor: f32,
+}
+
+impl tessera_quant::AmaxReduction for OtherRanks {
+    fn all_reduce_max(&self, amax: f32) -> tessera_core::Result<f32> {
+        Ok(amax.max(self.floor))
+    }
+}
+
+/// With an amax all-reduce installed, the two-pass quantizers read the device amax back,
+/// reduce it and quantize with the reduced one, into the output's own amax buffers: the
+/// same bytes as the CPU with the same reduction, when the other ranks' amax is above
+/// this rank's (it decides the scales) and below it (it does not).
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn two_pass_quantizers_quantize_with_the_reduced_amax() {
+    require_gpu();
+    let x = input(&[272, 1040], DType::BF16, 8700);
+    for floor in [1e6f32, 1e-6] {
+        let r: std::sync::Arc<dyn tessera_quant::AmaxReduction> =
+            std::sync::Arc::new(OtherRanks { floor });
+        for usage in [Usage::Rowwise, Usage::Columnwise, Usage::Both] {
+            let what = format!("other ranks' amax {floor:e}, {usage:?}");
+            let mut fp8 = Fp8CurrentScaling::new(Fp8Format::E4M3)
+                .with_usage(usage)
+                .with_amax_reduction(r.clone());
+            check_quantizer(&mut fp8, &x, &format!("fp8 current scaling, {what}"));
+            for rht in [false, true] {
+                let mut nvfp4 = Nvfp4Quantizer::new()
+                    .with_rht(rht)
+                    .with_usage(usage)
+                    .with_amax_reduction(r.clone());
+                check_quantizer(&mut nvfp4, &x, &format!("nvfp4 rht={rht}, {what}"));
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn stochastic_rounding_advances_the_generator_like_the_cpu() {
