@@ -67,3 +67,26 @@ static void launch_pdl(void (*k)(Params...), dim3 grid, dim3 block, Args... args
     cfg.numAttrs = 1;
     CK(cudaLaunchKernelEx(&cfg, k, args...));
 }
+
+// The harnesses' bf16 input of n elements (raw bits): magnitudes from 2^-20 to 2^20,
+// changing every 64 elements, with NaN, -Inf and zeros sprinkled in; or, with `normal`,
+// magnitudes 2^-4 .. 2^2 only (every NVFP4 tile takes the fast path).
+static std::vector<uint16_t> bf16_input(uint64_t n, bool normal = false) {
+    std::vector<uint16_t> h(n);
+    uint64_t s = 12345;
+    for (uint64_t i = 0; i < n; ++i) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        const uint32_t r = (uint32_t)(s >> 32);
+        uint16_t b;
+        if (normal) {
+            b = (uint16_t)((r & 0x8000) | ((123 + (r >> 20) % 7) << 7) | (r & 0x7F));
+        } else {
+            const uint16_t exp = (uint16_t)(127 - 20 + ((i / 64) * 7 % 41));
+            b = (uint16_t)((r & 0x8000) | (exp << 7) | (r & 0x7F));
+            if (r % 997 == 0) b = (r & 0x10000) ? 0x7FC0 : 0xFF80;  // NaN, -Inf
+            if (r % 1009 == 0) b = 0;
+        }
+        h[i] = b;
+    }
+    return h;
+}

@@ -181,23 +181,7 @@ __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) both_ahead(const __nv_bf
 
 static void run_shape(u64 M, u64 K, int normal) {
     const u64 n = M * K;
-    std::vector<uint16_t> h(n);
-    uint64_t s = 12345;
-    for (u64 i = 0; i < n; ++i) {
-        s = s * 6364136223846793005ull + 1442695040888963407ull;
-        const uint32_t r = (uint32_t)(s >> 32);
-        uint16_t b;
-        if (normal) {
-            // Roughly normal magnitudes: exponents 2^-4 .. 2^2.
-            b = (uint16_t)((r & 0x8000) | ((123 + (r >> 20) % 7) << 7) | (r & 0x7F));
-        } else {
-            const uint16_t exp = (uint16_t)(127 - 20 + ((i / 64) * 7 % 41));  // 2^-20 .. 2^20
-            b = (uint16_t)((r & 0x8000) | (exp << 7) | (r & 0x7F));
-            if (r % 997 == 0) b = (r & 0x10000) ? 0x7FC0 : 0xFF80;  // NaN, -Inf
-            if (r % 1009 == 0) b = 0;
-        }
-        h[i] = b;
-    }
+    const std::vector<uint16_t> h = bf16_input(n, normal != 0);
     __nv_bfloat16* x;
     uint8_t *q, *qt, *sr, *sc, *tmp;
     float* amax;

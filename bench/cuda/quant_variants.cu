@@ -43,17 +43,7 @@ static void report(const char* name, float ms, double bytes, std::vector<std::pa
 
 int main() {
     const u64 n = M * K;
-    std::vector<uint16_t> h(n);
-    uint64_t s = 12345;
-    for (u64 i = 0; i < n; ++i) {
-        s = s * 6364136223846793005ull + 1442695040888963407ull;
-        const uint32_t r = (uint32_t)(s >> 32);
-        uint16_t exp = (uint16_t)(127 - 20 + ((i / 64) * 7 % 41));  // magnitudes 2^-20 .. 2^20
-        uint16_t b = (uint16_t)((r & 0x8000) | (exp << 7) | (r & 0x7F));
-        if (r % 997 == 0) b = (r & 0x10000) ? 0x7FC0 : 0xFF80;  // NaN, -Inf
-        if (r % 1009 == 0) b = 0;
-        h[i] = b;
-    }
+    const std::vector<uint16_t> h = bf16_input(n);
     __nv_bfloat16* x;
     uint8_t *q, *qt, *tmp;
     float *sr, *sc, *scale, *sinv, *amax;
