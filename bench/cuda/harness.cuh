@@ -90,3 +90,13 @@ static std::vector<uint16_t> bf16_input(uint64_t n, bool normal = false) {
     }
     return h;
 }
+
+// One result line: the name, the time, GB/s of `bytes` and its ratio to `copy_gbs`, and
+// the FNV-1a hash of each output (device pointer, bytes).
+static void report_hashes(const char* name, float ms, double bytes, double copy_gbs,
+                          const std::vector<std::pair<const void*, size_t>>& outs) {
+    const double gbs = bytes / ms / 1e6;
+    std::printf("%-40s %8.4f ms %8.1f GB/s %6.3f of copy  hash", name, ms, gbs, gbs / copy_gbs);
+    for (auto& o : outs) std::printf(" %016llx", (unsigned long long)fnv(o.first, o.second));
+    std::printf("\n");
+}

@@ -35,10 +35,7 @@ static dim3 tiles(unsigned gx, unsigned gy) {
 }
 
 static void report(const char* name, float ms, double bytes, std::vector<std::pair<const void*, size_t>> outs) {
-    const double gbs = bytes / ms / 1e6;
-    std::printf("%-34s %8.4f ms %8.1f GB/s %6.3f of copy  hash", name, ms, gbs, gbs / copy_gbs);
-    for (auto& o : outs) std::printf(" %016llx", (unsigned long long)fnv(o.first, o.second));
-    std::printf("\n");
+    report_hashes(name, ms, bytes, copy_gbs, outs);
 }
 
 int main() {

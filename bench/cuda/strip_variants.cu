@@ -363,10 +363,7 @@ static const u64 K = std::getenv("QV_K") ? std::strtoull(std::getenv("QV_K"), nu
 static double copy_gbs;
 
 static void report(const char* name, float ms, double bytes, std::vector<std::pair<const void*, size_t>> outs) {
-    const double gbs = bytes / ms / 1e6;
-    std::printf("%-40s %8.4f ms %6.3f of copy  hash", name, ms, gbs / copy_gbs);
-    for (auto& o : outs) std::printf(" %016llx", (unsigned long long)fnv(o.first, o.second));
-    std::printf("\n");
+    report_hashes(name, ms, bytes, copy_gbs, outs);
 }
 
 int main() {
