@@ -1071,6 +1071,14 @@ NVFP4_RS_ALL(f16, __half)
 
 // ---- dequantize -------------------------------------------------------------------------
 
+// The vector type of 4 elements of T.
+template <class T> struct Vec4 {
+    using type = uint2;
+};
+template <> struct Vec4<float> {
+    using type = uint4;
+};
+
 // The columnwise tile of nvfp4_dequant_cols: DEQ_TILE_K q rows (output columns) by
 // NVFP4_DEQ_TILE_M values along m (128 bytes of each q row).
 constexpr int NVFP4_DEQ_TILE_M = 256;
@@ -1107,16 +1115,17 @@ __device__ void nvfp4_dequant_rows(const uint8_t* __restrict__ q, const uint8_t*
 }
 
 // Columnwise: q is the [k, m] transpose (m / 2 bytes a row), its 16-element blocks along
-// m, each inverse-transformed when rht. A CTA of 256 threads per tile of 64 q rows by
+// m, each inverse-transformed when Rht (its own entry point, so that the inverse RHT's
+// registers do not cap the occupancy of the common case; see NVFP4_DEQ_T_MINB). A CTA of 256 threads per tile of 64 q rows by
 // 256 values, ceil(k / 64) * ceil(m / 256) CTAs: the tile is copied into shared memory
 // (8-byte loads, 128 contiguous bytes a q row), then each thread decodes one block from
 // each of 4 q rows (4 output columns) and writes the block's 16 output rows, one 4-column
 // store a row (8 bytes of bf16 or f16, 16 of f32). Sixteen lanes take the 64 columns of
 // a block, so a warp stores 128 (256) contiguous bytes of each of 2 rows per instruction.
-template <class T>
+template <class T, bool Rht>
 __device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                    const float* __restrict__ amax, T* __restrict__ y, u64 m, u64 k,
-                                   u64 s_cols, int rht, int swizzled) {
+                                   u64 s_cols, int swizzled) {
     // Row j of the tile holds its 128 bytes as 32 words, word w at w ^ swz(j): with
     // swz(j) = 2 * ((j / 4) % 16) the 8-byte reads of a warp (16 four-row groups by 2
     // blocks) take two wavefronts, the least 256 bytes need, and 8-byte copies stay aligned.
@@ -1142,17 +1151,18 @@ __device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t*
     const u64 c0 = k0 + 4 * kg, r0 = m0 + 16 * mb;
     if (c0 >= k || r0 >= m) return;  // k % 16 == 0: the 4 columns are wholly in or out
     const float A = amax[0];
+    // 4 outputs of a row: 8 bytes of bf16/f16 (a union with a 16-byte member would
+    // double the 16 rows' registers), 16 of f32.
     union {
         T e[4];
-        uint2 u2;
-        uint4 u4;
+        typename Vec4<T>::type v;
     } out_v[16];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const uint2 w = *reinterpret_cast<const uint2*>(&tile[4 * kg + j][(2 * mb) ^ swz(4 * kg + j)]);
         float v[16], o[16];
         e2m1x16_values(w, nvfp4_decode_scale(s[scale_index(c0 + j, r0 / 16, s_cols, swizzled)], A), v);
-        if (rht) {
+        if constexpr (Rht) {
             inverse_rht16(v, o);
         } else {
 #pragma unroll
@@ -1165,23 +1175,37 @@ __device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t*
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
         if constexpr (sizeof(T) == 4) {
-            store_global16(out + i * k, out_v[i].u4);
+            store_global16(out + i * k, out_v[i].v);
         } else {
-            store_global8(out + i * k, out_v[i].u2);
+            store_global8(out + i * k, out_v[i].v);
         }
     }
 }
 
+// CTAs per SM the columnwise dequantizer without the RHT is built for (2-byte outputs):
+// 5 gives it 48 registers without spills. On an H200 (bf16, 16384x8192 / 4096x4096) it
+// ran at 0.641 / 0.713 of a copy, 6 (40 registers, 16 bytes spilled) at 0.653 / 0.700, 8
+// at 0.532 / 0.585, and no bound (80 registers) at 0.546 / 0.623; the kernel with the
+// RHT code in it took 0.596 / 0.677 (bench/cuda/dequant_variants.cu, DQ_NVFP4_COLS=1).
+#ifndef NVFP4_DEQ_T_MINB
+#define NVFP4_DEQ_T_MINB 5
+#endif
 #define NVFP4_DEQUANT(SUFFIX, T)                                                                 \
     extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_dequant_##SUFFIX(             \
         const uint8_t* q, const uint8_t* s, const float* amax, T* y, u64 m, u64 k, u64 s_cols,    \
         int swizzled) {                                                                           \
         nvfp4_dequant_rows<T>(q, s, amax, y, m, k, s_cols, swizzled);                             \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_dequant_t_##SUFFIX(           \
+    extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 1 : NVFP4_DEQ_T_MINB)      \
+        tessera_nvfp4_dequant_t_##SUFFIX(                                                         \
         const uint8_t* q, const uint8_t* s, const float* amax, T* y, u64 m, u64 k, u64 s_cols,    \
-        int rht, int swizzled) {                                                                  \
-        nvfp4_dequant_cols<T>(q, s, amax, y, m, k, s_cols, rht, swizzled);                        \
+        int swizzled) {                                                                           \
+        nvfp4_dequant_cols<T, false>(q, s, amax, y, m, k, s_cols, swizzled);                      \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_dequant_t_rht_##SUFFIX(       \
+        const uint8_t* q, const uint8_t* s, const float* amax, T* y, u64 m, u64 k, u64 s_cols,    \
+        int swizzled) {                                                                           \
+        nvfp4_dequant_cols<T, true>(q, s, amax, y, m, k, s_cols, swizzled);                       \
     }
 NVFP4_DEQUANT(f32, float)
 NVFP4_DEQUANT(bf16, __nv_bfloat16)

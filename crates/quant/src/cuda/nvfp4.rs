@@ -382,28 +382,28 @@ pub(crate) fn dequantize(
         &NVFP4_PTX,
         &format!(
             "tessera_nvfp4_dequant_{}{}",
-            if columnwise { "t_" } else { "" },
+            match (columnwise, rht) {
+                (false, _) => "",
+                (true, false) => "t_",
+                (true, true) => "t_rht_",
+            },
             dtype_suffix(OP, dtype)?
         ),
     )?;
     let dims = [m as u64, k as u64, s.shape().dims()[1] as u64];
     // Rowwise units of 16 bytes of output, two a thread (k % 16 == 0: whole units);
-    // columnwise a CTA per tile of the transposed data; only that kernel takes `rht`.
-    let (cfg, flags) = if columnwise {
-        (
-            dequant_cols_grid(m, k, NVFP4_DEQ_TILE_M)?,
-            vec![i32::from(rht), i32::from(swizzled)],
-        )
+    // columnwise a CTA per tile of the transposed data, with or without the inverse RHT
+    // (separate entry points).
+    let cfg = if columnwise {
+        dequant_cols_grid(m, k, NVFP4_DEQ_TILE_M)?
     } else {
-        (
-            dequant_units_grid(m * k / dequant_vals(dtype))?,
-            vec![i32::from(swizzled)],
-        )
+        dequant_units_grid(m * k / dequant_vals(dtype))?
     };
+    let swizzled = i32::from(swizzled);
     let ys = y.cuda_slice_mut()?;
     // SAFETY: (const u8* q, const u8* s, const float* amax, T* y, u64 m, u64 k, u64
-    // s_cols, [int rht,] int swizzled), rht for the columnwise kernel only: q the packed
-    // data of the orientation, s its padded scale grid, amax one float, y [m, k] of T.
+    // s_cols, int swizzled): q the packed data of the orientation, s its padded scale
+    // grid, amax one float, y [m, k] of T.
     unsafe {
         launch(&dev, &f, cfg, OP, |b| {
             b.arg(q.cuda_slice().expect("device tensor"))
@@ -413,9 +413,7 @@ pub(crate) fn dequantize(
             for d in &dims {
                 b.arg(d);
             }
-            for fl in &flags {
-                b.arg(fl);
-            }
+            b.arg(&swizzled);
         })
     }?;
     Ok(())
