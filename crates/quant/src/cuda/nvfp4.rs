@@ -132,8 +132,8 @@ impl Amaxes {
 
     /// Runs the amax pass(es) over `x` (with the RHT: both amaxes in one pass) and the
     /// all-reduce, if any. Without the RHT both orientations share one amax: it goes
-    /// into the rowwise buffer when there is one, and the kernel copies it to the other
-    /// (`copy_target`).
+    /// into the rowwise buffer when there is one, and the quantize kernel copies it to
+    /// the columnwise one (`Nvfp4Args::amax_copy`, see [`addrs`](Self::addrs)).
     fn compute(
         &mut self,
         dev: &CudaDevice,
@@ -300,54 +300,57 @@ pub(crate) fn quantize_into(
         None => Order::OverlapAmaxPass,
         Some(_) => Order::AfterPrevious,
     };
-    let (q_row, s_row, q_col, s_col) = (&o.q_row, &o.s_row, &o.q_col, &o.s_col);
-    let p = |t: &Option<Tensor>| t.as_ref().map_or(Ok(0), |t| device_addr(&dev, t));
-    let cols = |t: &Option<Tensor>| t.as_ref().map_or(0, |t| t.shape().dims()[1] as u64);
-    let (amax_row, amax_col, amax_copy) = amaxes.addrs(&dev, rht)?;
-    let args = Nvfp4Args {
-        m: m as u64,
-        k: k as u64,
-        amax_row,
-        amax_col,
-        q_row: p(q_row)?,
-        s_row: p(s_row)?,
-        s_row_cols: cols(s_row),
-        q_col: p(q_col)?,
-        s_col: p(s_col)?,
-        s_col_cols: cols(s_col),
-        two_d: i32::from(two_d),
-        rht: i32::from(rht),
-        swizzled: i32::from(swizzled),
-        sr: i32::from(sr),
-        seed,
-        off_row,
-        off_col,
-        amax_copy,
-    };
-    let xa = device_addr(&dev, x)?;
-    let (mu, ku, tiles) = (m as u64, k as u64, col_tiles as u64);
-    let mut params = Params::default();
-    if row_only {
-        params.arg(&xa).arg(&mu).arg(&ku).arg(&args.amax_row);
-        params
-            .arg(&args.q_row)
-            .arg(&args.s_row)
-            .arg(&args.s_row_cols);
-        params.arg(&args.swizzled).arg(&tiles);
-    } else {
-        params.arg(&xa).arg(&args);
-    }
-    // SAFETY: x is [m, k] with m, k multiples of 16 (checked by the quantizer); the
-    // pointers address live buffers of `out` (data [m, k/2] and [k, m/2] bytes, the
-    // padded scale grids, the f32 [1] amaxes, and the amax copy target, distinct from
-    // the amax it copies) and the spare amax, all of which outlive the launch on this
-    // stream (the spare is freed in stream order after it); null pointers mark absent
-    // usages. The row kernel takes (const T* x, u64 m, u64 k, const float* amax, u8* q,
-    // u8* s, u64 s_cols, int swizzled, u64 col_tiles), its grid covering (m / 16) x
-    // col_tiles tiles exactly; the others (const T* x, Nvfp4Args a), their tiles
-    // (128x128 banded or 64x64) covering [m, k]. Every one reads nothing the amax pass
-    // writes before pdl_wait(), and the amax pass ran last when there is no reduction.
-    let launched = unsafe { launch_params(&dev, &f, cfg, OP, order, &mut params) };
+    // The launch, with every buffer of `out` put back whatever it returns.
+    let launched = (|| -> Result<()> {
+        let (q_row, s_row, q_col, s_col) = (&o.q_row, &o.s_row, &o.q_col, &o.s_col);
+        let p = |t: &Option<Tensor>| t.as_ref().map_or(Ok(0), |t| device_addr(&dev, t));
+        let cols = |t: &Option<Tensor>| t.as_ref().map_or(0, |t| t.shape().dims()[1] as u64);
+        let (amax_row, amax_col, amax_copy) = amaxes.addrs(&dev, rht)?;
+        let args = Nvfp4Args {
+            m: m as u64,
+            k: k as u64,
+            amax_row,
+            amax_col,
+            q_row: p(q_row)?,
+            s_row: p(s_row)?,
+            s_row_cols: cols(s_row),
+            q_col: p(q_col)?,
+            s_col: p(s_col)?,
+            s_col_cols: cols(s_col),
+            two_d: i32::from(two_d),
+            rht: i32::from(rht),
+            swizzled: i32::from(swizzled),
+            sr: i32::from(sr),
+            seed,
+            off_row,
+            off_col,
+            amax_copy,
+        };
+        let xa = device_addr(&dev, x)?;
+        let (mu, ku, tiles) = (m as u64, k as u64, col_tiles as u64);
+        let mut params = Params::default();
+        if row_only {
+            params.arg(&xa).arg(&mu).arg(&ku).arg(&args.amax_row);
+            params
+                .arg(&args.q_row)
+                .arg(&args.s_row)
+                .arg(&args.s_row_cols);
+            params.arg(&args.swizzled).arg(&tiles);
+        } else {
+            params.arg(&xa).arg(&args);
+        }
+        // SAFETY: x is [m, k] with m, k multiples of 16 (checked by the quantizer); the
+        // pointers address live buffers of `out` (data [m, k/2] and [k, m/2] bytes, the
+        // padded scale grids, the f32 [1] amaxes, and the amax copy target, distinct from
+        // the amax it copies) and the spare amax, all of which outlive the launch on this
+        // stream (the spare is freed in stream order after it); null pointers mark absent
+        // usages. The row kernel takes (const T* x, u64 m, u64 k, const float* amax, u8* q,
+        // u8* s, u64 s_cols, int swizzled, u64 col_tiles), its grid covering (m / 16) x
+        // col_tiles tiles exactly; the others (const T* x, Nvfp4Args a), their tiles
+        // (128x128 banded or 64x64) covering [m, k]. Every one reads nothing the amax pass
+        // writes before pdl_wait(), and the amax pass ran last when there is no reduction.
+        unsafe { launch_params(&dev, &f, cfg, OP, order, &mut params) }
+    })();
     amaxes.put_back(out);
     o.put_back(out);
     launched?;
