@@ -14,6 +14,13 @@
 //! tracking is therefore switched off for tessera's contexts (it would also put
 //! cross-capture event waits into CUDA graphs). Work a caller puts on other streams
 //! must be ordered against the tessera stream by the caller.
+//!
+//! # Allocation
+//!
+//! Allocations are stream-ordered (`cuMemAllocAsync`) from the device's default memory
+//! pool, which keeps freed memory cached for later allocations instead of handing it
+//! back to the driver at every synchronisation (a release threshold of `u64::MAX`, as
+//! PyTorch's allocators set). [`CudaDevice::release_cached_memory`] hands it back.
 
 mod device;
 mod graph;
