@@ -368,47 +368,63 @@ __global__ void __launch_bounds__(256) nv_rows(const uint8_t* __restrict__ q, co
     }
 }
 
+// An NVFP4 dequantization bench: random packed data (n / 2 bytes) and positive finite
+// E4M3 scales (s_bytes) on the device, amax 37.5, a bf16 output of n elements, and
+// copy_gbs set to a cudaMemcpy of that output's size.
+struct Nvfp4Dequant {
+    uint8_t *q, *sd;
+    float* amax;
+    bf16* y;
+    u64 n;
+    double bytes;
+    Nvfp4Dequant(u64 n_, u64 s_bytes, uint64_t seed) : n(n_), bytes(n_ / 2 + s_bytes + 2.0 * n_) {
+        std::vector<uint8_t> hq(n / 2), hs(s_bytes);
+        uint64_t st = seed ^ n;
+        auto next = [&] {
+            st = st * 6364136223846793005ull + 1442695040888963407ull;
+            return (uint8_t)(st >> 56);
+        };
+        for (auto& b : hq) b = next();
+        for (auto& b : hs) b = next() & 0x7E;
+        CK(cudaMalloc(&q, n / 2));
+        CK(cudaMalloc(&sd, s_bytes));
+        CK(cudaMalloc(&y, 2 * n));
+        CK(cudaMalloc(&amax, 4));
+        const float a = 37.5f;
+        CK(cudaMemcpy(q, hq.data(), n / 2, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(sd, hs.data(), s_bytes, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(amax, &a, 4, cudaMemcpyHostToDevice));
+        bf16* y2;
+        CK(cudaMalloc(&y2, 2 * n));
+        const float copy_ms = time_ms([&] { CK(cudaMemcpyAsync(y2, y, 2 * n, cudaMemcpyDeviceToDevice)); });
+        copy_gbs = 4.0 * n / copy_ms / 1e6;
+        CK(cudaFree(y2));
+    }
+    ~Nvfp4Dequant() {
+        CK(cudaFree(q));
+        CK(cudaFree(sd));
+        CK(cudaFree(y));
+        CK(cudaFree(amax));
+    }
+    // Times `launch` over a poisoned output and prints its line.
+    template <class L> void row(const char* name, L launch) {
+        CK(cudaMemset(y, 0xFF, 2 * n));
+        report(name, time_ms(launch), bytes, y, 2 * n);
+    }
+};
+
 static void run_nvfp4(u64 M, u64 K) {
     std::printf("== [%llu, %llu] nvfp4 rowwise -> bf16 (compact scales)\n", (unsigned long long)M,
                 (unsigned long long)K);
     const u64 n = M * K, s_cols = K / 16;
-    std::vector<uint8_t> hq(n / 2), hs(M * s_cols);
-    uint64_t st = 0x2545F4914F6CDD1Dull ^ n;
-    auto next = [&] {
-        st = st * 6364136223846793005ull + 1442695040888963407ull;
-        return (uint8_t)(st >> 56);
-    };
-    for (auto& b : hq) b = next();
-    for (auto& b : hs) b = next() & 0x7E;  // positive finite E4M3 scales
-    uint8_t *q, *sd;
-    bf16* y;
-    float* amax;
-    CK(cudaMalloc(&q, n / 2));
-    CK(cudaMalloc(&sd, hs.size()));
-    CK(cudaMalloc(&y, 2 * n));
-    CK(cudaMalloc(&amax, 4));
-    const float a = 37.5f;
-    CK(cudaMemcpy(q, hq.data(), n / 2, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(sd, hs.data(), hs.size(), cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(amax, &a, 4, cudaMemcpyHostToDevice));
-    const double bytes = n / 2 + hs.size() + 2.0 * n;
-    bf16* y2;
-    CK(cudaMalloc(&y2, 2 * n));
-    const float copy_ms = time_ms([&] { CK(cudaMemcpyAsync(y2, y, 2 * n, cudaMemcpyDeviceToDevice)); });
-    copy_gbs = 4.0 * n / copy_ms / 1e6;
-    CK(cudaFree(y2));
-    auto row = [&](const char* name, auto launch) {
-        CK(cudaMemset(y, 0xFF, 2 * n));
-        report(name, time_ms(launch), bytes, y, 2 * n);
-    };
-    row("nvfp4 rows shipped", [&] { tessera_nvfp4_dequant_bf16<<<cover(n / 8), 256>>>(q, sd, amax, y, M, K, s_cols, 0); });
-    row("nvfp4 rows, 1 unit a thread", [&] { nv_rows<1><<<cover(n / 8), 256>>>(q, sd, amax, y, M, K, s_cols); });
-    row("nvfp4 rows, 2 units a thread", [&] { nv_rows<2><<<cover(n / 16), 256>>>(q, sd, amax, y, M, K, s_cols); });
-    row("nvfp4 rows, 4 units a thread", [&] { nv_rows<4><<<cover(n / 32), 256>>>(q, sd, amax, y, M, K, s_cols); });
-    CK(cudaFree(q));
-    CK(cudaFree(sd));
-    CK(cudaFree(y));
-    CK(cudaFree(amax));
+    Nvfp4Dequant d(n, M * s_cols, 0x2545F4914F6CDD1Dull);
+    const auto q = d.q, sd = d.sd;
+    const auto amax = d.amax;
+    const auto y = d.y;
+    d.row("nvfp4 rows shipped", [&] { tessera_nvfp4_dequant_bf16<<<cover(n / 8), 256>>>(q, sd, amax, y, M, K, s_cols, 0); });
+    d.row("nvfp4 rows, 1 unit a thread", [&] { nv_rows<1><<<cover(n / 8), 256>>>(q, sd, amax, y, M, K, s_cols); });
+    d.row("nvfp4 rows, 2 units a thread", [&] { nv_rows<2><<<cover(n / 16), 256>>>(q, sd, amax, y, M, K, s_cols); });
+    d.row("nvfp4 rows, 4 units a thread", [&] { nv_rows<4><<<cover(n / 32), 256>>>(q, sd, amax, y, M, K, s_cols); });
 }
 
 // ---- NVFP4 columnwise --------------------------------------------------------------------
@@ -470,45 +486,18 @@ static void run_nvfp4_cols(u64 M, u64 K) {
     std::printf("== [%llu, %llu] nvfp4 columnwise -> bf16 (compact scales, no RHT)\n", (unsigned long long)M,
                 (unsigned long long)K);
     const u64 n = M * K, s_cols = M / 16;  // q is [K, M/2], scales [K, M/16]
-    std::vector<uint8_t> hq(n / 2), hs(K * s_cols);
-    uint64_t st = 0x9E3779B97F4A7C15ull ^ n;
-    auto next = [&] {
-        st = st * 6364136223846793005ull + 1442695040888963407ull;
-        return (uint8_t)(st >> 56);
-    };
-    for (auto& b : hq) b = next();
-    for (auto& b : hs) b = next() & 0x7E;
-    uint8_t *q, *sd;
-    bf16 *y, *y2;
-    float* amax;
-    CK(cudaMalloc(&q, n / 2));
-    CK(cudaMalloc(&sd, hs.size()));
-    CK(cudaMalloc(&y, 2 * n));
-    CK(cudaMalloc(&y2, 2 * n));
-    CK(cudaMalloc(&amax, 4));
-    const float a = 37.5f;
-    CK(cudaMemcpy(q, hq.data(), n / 2, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(sd, hs.data(), hs.size(), cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(amax, &a, 4, cudaMemcpyHostToDevice));
-    const double bytes = n / 2 + hs.size() + 2.0 * n;
-    const float copy_ms = time_ms([&] { CK(cudaMemcpyAsync(y2, y, 2 * n, cudaMemcpyDeviceToDevice)); });
-    copy_gbs = 4.0 * n / copy_ms / 1e6;
-    auto row = [&](const char* name, auto launch) {
-        CK(cudaMemset(y, 0xFF, 2 * n));
-        report(name, time_ms(launch), bytes, y, 2 * n);
-    };
+    Nvfp4Dequant d(n, K * s_cols, 0x9E3779B97F4A7C15ull);
+    const auto q = d.q, sd = d.sd;
+    const auto amax = d.amax;
+    const auto y = d.y;
     auto tiles = [&](u64 tk, u64 tm) { return (unsigned)(((K + tk - 1) / tk) * ((M + tm - 1) / tm)); };
-    row("nvfp4 cols shipped (64 x 256)",
-        [&] { tessera_nvfp4_dequant_t_bf16<<<tiles(64, 256), 256>>>(q, sd, amax, y, M, K, s_cols, 0); });
-    row("nvfp4 cols 64 x 256 (harness copy)", [&] { nv_cols<64, 256><<<tiles(64, 256), 256>>>(q, sd, amax, y, M, K, s_cols); });
-    row("nvfp4 cols 128 x 128", [&] { nv_cols<128, 128><<<tiles(128, 128), 256>>>(q, sd, amax, y, M, K, s_cols); });
-    row("nvfp4 cols 256 x 64", [&] { nv_cols<256, 64><<<tiles(256, 64), 256>>>(q, sd, amax, y, M, K, s_cols); });
-    row("nvfp4 cols 32 x 512", [&] { nv_cols<32, 512><<<tiles(32, 512), 256>>>(q, sd, amax, y, M, K, s_cols); });
-    CK(cudaFree(q));
-    CK(cudaFree(sd));
-    CK(cudaFree(y));
-    CK(cudaFree(y2));
-    CK(cudaFree(amax));
+    d.row("nvfp4 cols shipped (64 x 256)",
+          [&] { tessera_nvfp4_dequant_t_bf16<<<tiles(64, 256), 256>>>(q, sd, amax, y, M, K, s_cols, 0); });
+    d.row("nvfp4 cols 64 x 256 (harness copy)",
+          [&] { nv_cols<64, 256><<<tiles(64, 256), 256>>>(q, sd, amax, y, M, K, s_cols); });
+    d.row("nvfp4 cols 128 x 128", [&] { nv_cols<128, 128><<<tiles(128, 128), 256>>>(q, sd, amax, y, M, K, s_cols); });
+    d.row("nvfp4 cols 256 x 64", [&] { nv_cols<256, 64><<<tiles(256, 64), 256>>>(q, sd, amax, y, M, K, s_cols); });
+    d.row("nvfp4 cols 32 x 512", [&] { nv_cols<32, 512><<<tiles(32, 512), 256>>>(q, sd, amax, y, M, K, s_cols); });
 }
 
 int main() {
