@@ -1116,8 +1116,8 @@ __device__ void nvfp4_dequant_rows(const uint8_t* __restrict__ q, const uint8_t*
 
 // Columnwise: q is the [k, m] transpose (m / 2 bytes a row), its 16-element blocks along
 // m, each inverse-transformed when Rht (its own entry point, so that the inverse RHT's
-// registers do not cap the occupancy of the common case; see NVFP4_DEQ_T_MINB). A CTA of 256 threads per tile of 64 q rows by
-// 256 values, ceil(k / 64) * ceil(m / 256) CTAs: the tile is copied into shared memory
+// registers do not cap the occupancy of the common case; see NVFP4_DEQ_T_MINB). A CTA
+// of 256 threads per tile of 64 q rows by 256 values, ceil(k / 64) * ceil(m / 256) CTAs: the tile is copied into shared memory
 // (8-byte loads, 128 contiguous bytes a q row), then each thread decodes one block from
 // each of 4 q rows (4 output columns) and writes the block's 16 output rows, one 4-column
 // store a row (8 bytes of bf16 or f16, 16 of f32). Sixteen lanes take the 64 columns of

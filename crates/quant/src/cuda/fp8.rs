@@ -7,7 +7,7 @@ use tessera_core::{DType, Error, Result, Tensor};
 use super::{
     BLOCK, FP8_DEQ_TILE_M, FP8_PTX, Order, Params, dequant_cols_grid, dequant_units_grid,
     dequant_vals, device_addr, device_of, dtype_suffix, format_suffix, launch, launch_params,
-    tile_grid,
+    scalar_target, tile_grid,
 };
 use crate::values::check_input;
 use crate::{BufferName, Fp8Format, QuantizedTensor};
@@ -40,36 +40,6 @@ pub(crate) fn amax_into(x: &Tensor, out: &mut Tensor) -> Result<()> {
         })
     }?;
     Ok(())
-}
-
-/// `out`'s device slice, zeroed on the stream, once `out` is checked to be an `f32 [1]`
-/// on `x`'s device (a global amax a kernel accumulates into).
-pub(crate) fn scalar_target<'a>(
-    op: &'static str,
-    dev: &CudaDevice,
-    x: &Tensor,
-    out: &'a mut Tensor,
-) -> Result<&'a mut cudarc::driver::CudaSlice<u8>> {
-    if out.dtype() != DType::F32 || out.numel() != 1 || out.device() != x.device() {
-        return Err(Error::invalid(
-            op,
-            format!(
-                "an amax buffer must be an f32 [1] tensor on {}, got {} {} on {}",
-                x.device(),
-                out.dtype(),
-                out.shape(),
-                out.device()
-            ),
-        ));
-    }
-    let dst = out.cuda_slice_mut()?;
-    dev.stream()
-        .memset_zeros(&mut *dst)
-        .map_err(|e| Error::Cuda {
-            op,
-            msg: e.to_string(),
-        })?;
-    Ok(dst)
 }
 
 /// Where a cast takes its scale from: a device `f32 [1]` (delayed scaling, or a scale

@@ -292,12 +292,7 @@ impl Outputs {
             if s.shape().dims() == valid.as_slice() {
                 continue;
             }
-            dev.stream()
-                .memset_zeros(s.cuda_slice_mut()?)
-                .map_err(|e| Error::Cuda {
-                    op,
-                    msg: e.to_string(),
-                })?;
+            dev.stream().memset_zeros(s.cuda_slice_mut()?).cuda_op(op)?;
         }
         Ok(o)
     }
@@ -416,6 +411,31 @@ pub(crate) fn device_addr(dev: &CudaDevice, t: &Tensor) -> Result<u64> {
     use cudarc::driver::DevicePtr;
     let (p, _sync) = t.cuda_slice()?.device_ptr(dev.stream());
     Ok(p)
+}
+
+/// `out`'s device slice, zeroed on the stream, once `out` is checked to be an `f32 [1]`
+/// on `x`'s device (a global amax a kernel accumulates into).
+pub(crate) fn scalar_target<'a>(
+    op: &'static str,
+    dev: &CudaDevice,
+    x: &Tensor,
+    out: &'a mut Tensor,
+) -> Result<&'a mut cudarc::driver::CudaSlice<u8>> {
+    if out.dtype() != DType::F32 || out.numel() != 1 || out.device() != x.device() {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "an amax buffer must be an f32 [1] tensor on {}, got {} {} on {}",
+                x.device(),
+                out.dtype(),
+                out.shape(),
+                out.device()
+            ),
+        ));
+    }
+    let dst = out.cuda_slice_mut()?;
+    dev.stream().memset_zeros(&mut *dst).cuda_op(op)?;
+    Ok(dst)
 }
 
 /// The device handle of a CUDA tensor.

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use tessera_core::cuda::{CudaDevice, grid_1d};
+use tessera_core::cuda::{CudaDevice, CudaResultExt, grid_1d};
 use tessera_core::{DType, Error, Result, Tensor};
 use tessera_rng::Generator;
 
@@ -47,17 +47,17 @@ struct Nvfp4Args {
 // (all fields naturally aligned, no padding), passed by value.
 unsafe impl DeviceRepr for Nvfp4Args {}
 
-/// All-reduces the device scalar `a` in place through `reduction` (which reads it back
-/// to the host).
-fn reduce_in_place(a: &mut Tensor, reduction: &Arc<dyn AmaxReduction>) -> Result<()> {
+/// All-reduces the device scalar `a` (on `dev`) in place through `reduction` (which
+/// reads it back to the host).
+fn reduce_in_place(
+    dev: &CudaDevice,
+    a: &mut Tensor,
+    reduction: &Arc<dyn AmaxReduction>,
+) -> Result<()> {
     let v = reduction.all_reduce_max(a.to_vec::<f32>()?[0])?;
-    let dev = device_of(a)?;
     dev.stream()
         .memcpy_htod(&v.to_le_bytes()[..], a.cuda_slice_mut()?)
-        .map_err(|e| Error::Cuda {
-            op: "cuda nvfp4 amax reduction",
-            msg: e.to_string(),
-        })
+        .cuda_op("cuda nvfp4 amax reduction")
 }
 
 /// The global amaxes of an RHT quantization on the device, from one read of `x`:
@@ -66,8 +66,8 @@ fn reduce_in_place(a: &mut Tensor, reduction: &Arc<dyn AmaxReduction>) -> Result
 fn rht_amaxes_into(dev: &CudaDevice, x: &Tensor, row: &mut Tensor, col: &mut Tensor) -> Result<()> {
     const OP: &str = "cuda nvfp4 amax";
     let (m, k) = x.shape().flat_2d();
-    let r = super::fp8::scalar_target(OP, dev, x, row)?;
-    let c = super::fp8::scalar_target(OP, dev, x, col)?;
+    let r = super::scalar_target(OP, dev, x, row)?;
+    let c = super::scalar_target(OP, dev, x, col)?;
     let f = dev.function(
         &NVFP4_PTX,
         &format!("tessera_nvfp4_rht_amax_{}", dtype_suffix(OP, x.dtype())?),
@@ -142,11 +142,9 @@ impl Amaxes {
         reduction: Option<&Arc<dyn AmaxReduction>>,
     ) -> Result<()> {
         if rht {
-            let spare = match &self.row {
-                Some(_) => None,
-                None => Some(Tensor::empty([1], DType::F32, x.device())?),
-            };
-            self.spare = spare;
+            if self.row.is_none() {
+                self.spare = Some(Tensor::empty([1], DType::F32, x.device())?);
+            }
             let (Some(row), Some(col)) =
                 (self.row.as_mut().or(self.spare.as_mut()), self.col.as_mut())
             else {
@@ -157,14 +155,14 @@ impl Amaxes {
             };
             rht_amaxes_into(dev, x, row, col)?;
             if let Some(r) = reduction {
-                reduce_in_place(row, r)?;
-                reduce_in_place(col, r)?;
+                reduce_in_place(dev, row, r)?;
+                reduce_in_place(dev, col, r)?;
             }
         } else {
             let a = self.shared_mut()?;
             super::fp8::amax_into(x, a)?;
             if let Some(r) = reduction {
-                reduce_in_place(a, r)?;
+                reduce_in_place(dev, a, r)?;
             }
         }
         Ok(())
