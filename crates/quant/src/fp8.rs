@@ -367,11 +367,22 @@ impl DelayedScalingState {
         self.history.rotate_left(1);
         self.history[l - 1] = last;
         self.history[0] = 0.0;
-        let scaled_max = format.max() * 2f32.powi(-margin);
         if amax.is_finite() && amax > 0.0 {
-            let s = scaled_max / amax;
+            let s = Self::scaled_max(format, margin) / amax;
             self.scale = if s == f32::INFINITY { f32::MAX } else { s };
         }
+    }
+
+    /// `fp8_max · 2^-margin`, the numerator of the update's scale.
+    pub(crate) fn scaled_max(format: Fp8Format, margin: i32) -> f32 {
+        format.max() * 2f32.powi(-margin)
+    }
+
+    /// A state from its parts (`history` non-empty), as read back from a device.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn from_parts(history: Vec<f32>, scale: f32) -> Self {
+        debug_assert!(!history.is_empty());
+        DelayedScalingState { history, scale }
     }
 }
 
@@ -391,20 +402,38 @@ impl Replay for DelayedScalingState {
 /// with the scale derived from earlier amaxes, and records this tensor's amax into the
 /// history; [`update`](Self::update) then computes the next scale.
 ///
-/// On CUDA tensors a quantize call never waits for the device: the scale stays on the
-/// device until it changes, and the casts' amaxes collect in a device buffer that is
-/// recorded into the history when the state is next looked at ([`state`](Self::state),
-/// [`state_mut`](Self::state_mut), [`update`](Self::update), `Debug`). What those show is
-/// exactly what recording each amax right after its cast would have shown. An error
-/// reading that buffer back (a failed kernel) leaves the history as it was and is returned
-/// by the next quantize call of a CUDA tensor.
+/// # Where the state lives
+///
+/// The history and scale start on the host. Casts of CUDA tensors never wait for the
+/// device: the scale is uploaded when it changes, and the casts' amaxes collect in a
+/// device buffer that is recorded into the history when the state is next looked at
+/// ([`state`](Self::state), [`state_mut`](Self::state_mut), [`update`](Self::update),
+/// `Debug`). What those show is exactly what recording each amax right after its cast
+/// would have shown. An error reading that buffer back (a failed kernel) leaves the
+/// history as it was and is returned by the next quantize call of a CUDA tensor.
+///
+/// [`to_device`](Self::to_device) moves the state onto a device, as TE keeps it: casts
+/// there read the scale and max their amaxes into history slot 0 in device memory, and
+/// [`update_on_device`](Self::update_on_device) runs the update as one kernel. Nothing
+/// then involves the host, so a training step's casts and updates can be captured into
+/// a CUDA graph (`tessera_core::cuda::Graph`) and replayed: the state's buffers stay put
+/// for the quantizer's life. Across ranks, all-reduce (MAX) slot 0
+/// ([`device_amax_mut`](Self::device_amax_mut)) in place before the update, as TE
+/// reduces `amax_history[0]`. [`fetch_state`](Self::fetch_state) reads the state back;
+/// [`state`](Self::state) does too, once, and keeps what it read until the next call
+/// through `&mut self` (a graph replay does not count). [`state_mut`](Self::state_mut),
+/// [`update`](Self::update), [`with_scale`](Self::with_scale) and casts of host tensors
+/// or on another device bring the state back to the host first.
+///
+/// Clones are independent: buffers shared with a clone are copied before either writes.
 #[derive(Clone)]
 pub struct Fp8DelayedScaling {
     format: Fp8Format,
     usage: Usage,
     margin: i32,
     algo: AmaxComputeAlgo,
-    /// The state, without the amaxes still in `device.pending`.
+    /// The state, without the amaxes still in `device.pending`; stale while the state
+    /// is on a device (`device.resident`).
     state: DelayedScalingState,
     record: bool,
     device: DeviceSide,
@@ -417,24 +446,32 @@ pub struct Fp8DelayedScaling {
 struct DeviceSide {
     /// `f32 [1]` on a device: the NaN-ignoring max of the amaxes of the recording casts
     /// since the history last took them in (the kernels atomically max into it), or
-    /// `None` when there were none.
+    /// `None` when there were none. Always `None` while the state is on a device.
     pending: Option<Tensor>,
-    /// The state with `pending` recorded, read back the first time it is looked at
-    /// through `&self`; empty whenever `pending` is `None`.
+    /// The state with `pending` recorded (or, while the state is on a device, the state
+    /// read back), read the first time it is looked at through `&self`; empty whenever
+    /// there is nothing to read, and emptied by every call that may change it.
     observed: OnceLock<Observed>,
     /// The scale on a device with its `f32` bits, uploaded when the scale or the device
-    /// changes.
+    /// changes (the host state's copy).
     scale: Option<(u32, Tensor)>,
-    /// A failure to read `pending` back, for the next quantize call of a CUDA tensor to
-    /// return.
+    /// The buffers of [`Fp8DelayedScaling::to_device`], kept once made so that captured
+    /// graphs keep addressing them.
+    #[cfg(feature = "cuda")]
+    held: Option<crate::cuda::fp8::DelayedState>,
+    /// Whether `held` is the state (else the host's `state` is).
+    resident: bool,
+    /// A failure to read the device back, for the next quantize call of a CUDA tensor
+    /// (or the next call that needs the device) to return.
     error: Option<Error>,
 }
 
-/// The host state with the device-held amaxes recorded.
+/// The host state with the device-held amaxes recorded, or the state read back from a
+/// device.
 #[derive(Clone)]
 struct Observed {
     state: DelayedScalingState,
-    /// Why the amaxes could not be read (then `state` is the state without them).
+    /// Why the device could not be read (then `state` is the host's state without it).
     error: Option<Error>,
 }
 
@@ -501,7 +538,8 @@ impl Fp8DelayedScaling {
         self
     }
 
-    /// Starts from a given scale (e.g. restored from a checkpoint).
+    /// Starts from a given scale (e.g. restored from a checkpoint). The state comes
+    /// back to the host first.
     pub fn with_scale(mut self, scale: f32) -> Result<Self> {
         if !(scale.is_finite() && scale > 0.0) {
             return Err(Error::invalid(
@@ -514,42 +552,90 @@ impl Fp8DelayedScaling {
         Ok(self)
     }
 
-    /// The history and scale. After casts of CUDA tensors this waits for the device the
-    /// first time, to record their amaxes.
+    /// The history and scale. After casts of CUDA tensors, or while the state is on a
+    /// device, this waits for the device the first time, to read what it holds. A read
+    /// error shows the state as the host last knew it, and is returned by the next call
+    /// that needs the device.
     pub fn state(&self) -> &DelayedScalingState {
-        match &self.device.pending {
-            None => &self.state,
-            Some(p) => {
-                &self
-                    .device
-                    .observed
-                    .get_or_init(|| Observed::read(&self.state, p))
-                    .state
+        let read = || -> Observed {
+            match (self.device.resident, &self.device.pending) {
+                (true, _) => self.read_held(),
+                (false, Some(p)) => Observed::read(&self.state, p),
+                (false, None) => unreachable!("state() reads only when there is something to read"),
             }
+        };
+        if self.device.resident || self.device.pending.is_some() {
+            &self.device.observed.get_or_init(read).state
+        } else {
+            &self.state
         }
     }
 
-    /// The history and scale, for `Replay` registration. Records the amaxes of earlier
-    /// casts of CUDA tensors first, as [`state`](Self::state) does.
+    /// The history and scale as they are now, read from the device (waiting for it)
+    /// whenever the device holds any of it: unlike [`state`](Self::state), nothing is
+    /// kept, so this also sees what replays of a captured graph did. A failed read is
+    /// returned.
+    pub fn fetch_state(&self) -> Result<DelayedScalingState> {
+        let o = match (self.device.resident, &self.device.pending) {
+            (true, _) => self.read_held(),
+            (false, Some(p)) => Observed::read(&self.state, p),
+            (false, None) => return Ok(self.state.clone()),
+        };
+        match o.error {
+            Some(e) => Err(e),
+            None => Ok(o.state),
+        }
+    }
+
+    /// The history and scale, for `Replay` registration. Brings the state back to the
+    /// host, recording the amaxes of earlier casts of CUDA tensors first, as
+    /// [`state`](Self::state) does.
     pub fn state_mut(&mut self) -> &mut DelayedScalingState {
         self.settle();
         &mut self.state
     }
 
-    /// Records the device-held amaxes into `state` (reading them back unless `state()`
-    /// already did); a read error is kept for the next quantize call.
+    /// Brings the state to the host: records the device-held amaxes into `state`, or
+    /// takes the whole state back from the device (reading it unless `state()` already
+    /// did); a read error is kept for the next call that needs the device.
     fn settle(&mut self) {
-        let Some(pending) = self.device.pending.take() else {
-            return;
-        };
-        let observed = match self.device.observed.take() {
-            Some(o) => o,
-            None => Observed::read(&self.state, &pending),
+        let observed = if self.device.resident {
+            self.device.resident = false;
+            self.device
+                .observed
+                .take()
+                .unwrap_or_else(|| self.read_held())
+        } else {
+            let Some(pending) = self.device.pending.take() else {
+                return;
+            };
+            match self.device.observed.take() {
+                Some(o) => o,
+                None => Observed::read(&self.state, &pending),
+            }
         };
         self.state = observed.state;
         if let Some(e) = observed.error {
             self.device.error.get_or_insert(e);
         }
+    }
+
+    /// What the device-held state reads back as (waits for the device).
+    #[cfg(feature = "cuda")]
+    fn read_held(&self) -> Observed {
+        let held = self.device.held.as_ref().expect("a resident state is held");
+        match held.read() {
+            Ok(state) => Observed { state, error: None },
+            Err(e) => Observed {
+                state: self.state.clone(),
+                error: Some(e),
+            },
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn read_held(&self) -> Observed {
+        unreachable!("without the cuda feature the state never leaves the host")
     }
 
     /// Whether casts record their amax (turned off while recomputing a checkpointed
@@ -558,11 +644,103 @@ impl Fp8DelayedScaling {
         self.record = record;
     }
 
-    /// Runs the fused update with the newest amax after an optional all-reduce.
+    /// Runs the fused update with the newest amax after an optional all-reduce, on the
+    /// host (bringing the state back from a device first).
     pub fn update(&mut self, reduced_amax: Option<f32>) {
         self.settle();
         self.state
             .update(reduced_amax, self.format, self.margin, self.algo);
+    }
+
+    /// The device holding the state, if [`to_device`](Self::to_device) put it there and
+    /// nothing has brought it back.
+    pub fn state_device(&self) -> Option<Device> {
+        #[cfg(feature = "cuda")]
+        if self.device.resident {
+            return self.device.held.as_ref().map(|h| h.device());
+        }
+        None
+    }
+
+    /// History slot 0 on the device while the state is there: an `f32 [1]` into which
+    /// recording casts max their amaxes. All-reduce it (MAX) in place across a process
+    /// group before [`update_on_device`](Self::update_on_device) and the update uses
+    /// the group's amax, as [`update`](Self::update) does with `reduced_amax`. `None`
+    /// while the state is on the host.
+    pub fn device_amax_mut(&mut self) -> Option<&mut Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.device.resident {
+            self.device.observed = OnceLock::new();
+            return self.device.held.as_mut().map(|h| &mut h.slot0);
+        }
+        None
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Fp8DelayedScaling {
+    /// Moves the state onto CUDA `device` (recording any device-held amaxes first):
+    /// from now on casts on that device read its scale and record into its history
+    /// there, and [`update_on_device`](Self::update_on_device) updates it there. The
+    /// buffers are made on the first call and written in place afterwards (the same
+    /// history length on the same device), so graphs captured earlier stay valid.
+    pub fn to_device(&mut self, device: Device) -> Result<()> {
+        const OP: &str = "Fp8DelayedScaling::to_device";
+        if !device.is_cuda() {
+            return Err(Error::device(OP, "a CUDA device", device));
+        }
+        if self.state_device() == Some(device) {
+            return Ok(());
+        }
+        self.settle();
+        if let Some(e) = self.device.error.take() {
+            return Err(e);
+        }
+        match &mut self.device.held {
+            Some(h) if h.device() == device && h.fits(&self.state) => h.write(&self.state)?,
+            held => *held = Some(crate::cuda::fp8::DelayedState::upload(&self.state, device)?),
+        }
+        self.device.resident = true;
+        self.device.observed = OnceLock::new();
+        Ok(())
+    }
+
+    /// Queues [`DelayedScalingState::update`] on the device holding the state (one
+    /// kernel; nothing waits and nothing is allocated, so it can be captured into a CUDA
+    /// graph). The reduced amax is whatever slot 0 holds: see
+    /// [`device_amax_mut`](Self::device_amax_mut). Errors when the state is on the host
+    /// ([`to_device`](Self::to_device) first) or when an earlier read of the device
+    /// failed.
+    pub fn update_on_device(&mut self) -> Result<()> {
+        if !self.device.resident {
+            return Err(Error::state(
+                "Fp8DelayedScaling::update_on_device",
+                "the state is on the host: move it with `to_device` first, or update it \
+                 on the host with `update`",
+            ));
+        }
+        if let Some(e) = self.device.error.take() {
+            return Err(e);
+        }
+        self.device.observed = OnceLock::new();
+        let held = self.device.held.as_mut().expect("a resident state is held");
+        held.update(self.format, self.margin, self.algo)
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+impl Fp8DelayedScaling {
+    /// Moves the state onto a CUDA device; without the `cuda` feature, an error.
+    pub fn to_device(&mut self, device: Device) -> Result<()> {
+        let _ = device;
+        Err(Error::no_cuda_feature("Fp8DelayedScaling::to_device"))
+    }
+
+    /// Updates the device-held state; without the `cuda` feature, an error.
+    pub fn update_on_device(&mut self) -> Result<()> {
+        Err(Error::no_cuda_feature(
+            "Fp8DelayedScaling::update_on_device",
+        ))
     }
 }
 
@@ -605,6 +783,9 @@ impl Quantizer for Fp8DelayedScaling {
         const OP: &str = "Fp8DelayedScaling::quantize";
         check_input(OP, x)?;
         let v = Values::new(OP, x)?;
+        if self.device.resident {
+            self.settle();
+        }
         let qt = quantize_with_scale(x, &v, self.state.scale, self.format, self.usage)?;
         if self.record {
             self.settle();
@@ -615,10 +796,12 @@ impl Quantizer for Fp8DelayedScaling {
 }
 
 impl Fp8DelayedScaling {
-    /// The cast on the device, queued without waiting for it: the scale is uploaded only
-    /// when it changed, and a recording cast maxes its amax into the device-held pending
-    /// amax (recorded into the history when the state is looked at). The max of the
-    /// amaxes is the same whether taken per cast on the host or at once on the device.
+    /// The cast on the device, queued without waiting for it. With the state on this
+    /// device, it reads the scale there and maxes its amax into slot 0. Otherwise the
+    /// scale is uploaded only when it changed, and a recording cast maxes its amax into
+    /// the device-held pending amax (recorded into the history when the state is looked
+    /// at). The max of the amaxes is the same whether taken per cast on the host or at
+    /// once on the device.
     #[cfg(feature = "cuda")]
     fn quantize_into_cuda(&mut self, x: &Tensor, out: &mut QuantizedTensor) -> Result<()> {
         use crate::cuda::fp8 as k;
@@ -627,14 +810,24 @@ impl Fp8DelayedScaling {
             return Err(e);
         }
         let device = x.device();
-        // The history took the amaxes in already (`state()`), or they are on another
-        // device than this cast's: fold them into the host state before going on.
+        if self.state_device() == Some(device) {
+            let k::DelayedState { slot0, scale, .. } =
+                self.device.held.as_mut().expect("a resident state is held");
+            if self.record {
+                self.device.observed = OnceLock::new();
+            }
+            let amax = self.record.then_some(slot0);
+            return k::cast_into(x, k::ScaleFrom::Scale(scale), self.format, out, amax);
+        }
+        // The state is on another device, the history took the amaxes in already
+        // (`state()`), or they are on another device than this cast's: bring them to
+        // the host state before going on.
         let other_device = self
             .device
             .pending
             .as_ref()
             .is_some_and(|p| p.device() != device);
-        if self.device.observed.get().is_some() || other_device {
+        if self.device.resident || self.device.observed.get().is_some() || other_device {
             self.settle();
             if let Some(e) = self.device.error.take() {
                 return Err(e);

@@ -22,8 +22,10 @@
 //! allocation past the call, so both can be captured into a CUDA graph
 //! (`tessera_core::cuda::Graph`) and replayed on whatever the input holds: the GPU tests
 //! replay FP8 current scaling, MXFP8, FP8 block and NVFP4 (with and without the RHT)
-//! against the CPU. [`Fp8DelayedScaling`] keeps its history and scale on the host, so a
-//! graph would replay the scale it was captured with.
+//! against the CPU. [`Fp8DelayedScaling`] keeps its history and scale on the host unless
+//! [`Fp8DelayedScaling::to_device`] moves them to the device; then its casts and
+//! [`Fp8DelayedScaling::update_on_device`] (the fused amax-and-scale update as one
+//! kernel) capture too, and each replay casts with the scale the previous one computed.
 //!
 //! The CPU reference is built from small public functions per step (casts in [`cast`],
 //! amax and scales in [`scale`], layouts in [`layout`], and each format's block

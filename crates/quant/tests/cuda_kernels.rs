@@ -584,6 +584,212 @@ fn fp8_delayed_scaling_mixed_devices_match_the_cpu() {
     }
 }
 
+/// The history and scale of a state as bits (NaN included).
+fn state_bits(s: &tessera_quant::DelayedScalingState) -> (Vec<u32>, u32) {
+    (
+        s.history().iter().map(|h| h.to_bits()).collect(),
+        s.scale().to_bits(),
+    )
+}
+
+/// Overwrites the device `f32 [1]` `t` with `v` in place (what an all-reduce leaves).
+fn write_scalar(t: &mut Tensor, v: f32) {
+    let dev = tessera_core::cuda::device(0).unwrap();
+    dev.stream()
+        .memcpy_htod(&v.to_le_bytes()[..], t.cuda_slice_mut().unwrap())
+        .unwrap();
+}
+
+/// Delayed scaling with its state on the device (`to_device`, casts recording there,
+/// `update_on_device`) against the same steps on the CPU with host updates: every output
+/// byte, and the history and scale after each update (read back fresh and through
+/// `state()`), bit for bit. Histories of 1 to 1030 slots, long enough runs to wrap the
+/// device's ring, both algorithms, margins of both signs; a step recording nothing (no
+/// roll), NaN and infinities (the scale is kept), casts not recording, slot 0 raised in
+/// place as an all-reduce would (the CPU gets it as `reduced_amax`), a state moved to
+/// the device mid-sequence, a clone taken on the device, and the trip back to the host
+/// and onto the device again.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn fp8_delayed_scaling_updates_on_the_device_match_the_cpu() {
+    use tessera_quant::AmaxComputeAlgo::{Max, MostRecent};
+    require_gpu();
+    let shapes: &[&[usize]] = &[&[64, 64], &[65, 63], &[257, 129], &[2, 3, 40], &[512, 1030]];
+    let mut seed = 7000u64;
+    let cases = [
+        (1, DType::BF16, Fp8Format::E4M3, Max, 0, Usage::Both),
+        (
+            2,
+            DType::F32,
+            Fp8Format::E5M2,
+            MostRecent,
+            1,
+            Usage::Rowwise,
+        ),
+        (5, DType::BF16, Fp8Format::E4M3, Max, -2, Usage::Columnwise),
+        (1030, DType::F16, Fp8Format::E4M3, Max, 3, Usage::Both),
+        (4, DType::BF16, Fp8Format::E5M2, MostRecent, 0, Usage::Both),
+    ];
+    for (case, (len, dtype, format, algo, margin, usage)) in cases.into_iter().enumerate() {
+        let mk = || {
+            Fp8DelayedScaling::new(format, len)
+                .unwrap()
+                .with_usage(usage)
+                .with_algo(algo)
+                .with_margin(margin)
+                .with_scale(0.5)
+                .unwrap()
+        };
+        let (mut qc, mut qg) = (mk(), mk());
+        // Case 2 casts on the host state first and moves with amaxes pending.
+        let move_at = if case == 2 { 2 } else { 0 };
+        let mut clones = None;
+        for step in 0..10usize {
+            let what = format!("case {case} (len {len} {dtype} {format:?} {algo:?}) step {step}");
+            if step == move_at {
+                qg.to_device(GPU).unwrap();
+                assert_eq!(qg.state_device(), Some(GPU), "{what}");
+            }
+            let calls = if step == 3 { 0 } else { 3 };
+            for call in 0..calls {
+                seed += 1;
+                let shape = shapes[(step + call + case) % shapes.len()];
+                let x = if step == 4 && call == 1 {
+                    input(shape, dtype, seed)
+                } else {
+                    let mag = 2f32.powi((step as i32 * 5 + call as i32) % 13 - 6);
+                    plain(shape, dtype, seed, mag)
+                };
+                let off = step == 1 && call == 2;
+                qc.set_record_amax(!off);
+                qg.set_record_amax(!off);
+                let cpu = qc.quantize(&x).unwrap();
+                let xd = x.to_device(GPU).unwrap();
+                let gpu = if call % 2 == 0 {
+                    qg.quantize(&xd).unwrap()
+                } else {
+                    let mut out = poisoned_output(&qg, &x);
+                    qg.quantize_into(&xd, &mut out).unwrap();
+                    out
+                };
+                assert_same(&gpu, &cpu, &format!("{what} call {call} {shape:?}"));
+            }
+            if step == 2 {
+                clones = Some((qg.clone(), qc.clone()));
+            }
+            let on_device = qg.state_device().is_some();
+            let reduced = (step % 3 == 1 && on_device).then(|| qc.state().history()[0] * 1.5);
+            if let Some(r) = reduced {
+                write_scalar(qg.device_amax_mut().unwrap(), r);
+            }
+            qc.update(reduced);
+            if on_device {
+                qg.update_on_device().unwrap();
+                assert_eq!(qg.state_device(), Some(GPU), "{what}");
+            } else {
+                qg.update(None);
+            }
+            assert_eq!(
+                state_bits(&qg.fetch_state().unwrap()),
+                state_bits(qc.state()),
+                "{what}: fetched after the update"
+            );
+            assert_same_state(&qg, &qc, &format!("{what} after the update"));
+        }
+        // The clone taken on the device kept its own state while the original went on.
+        let (cg, cc) = clones.unwrap();
+        assert_eq!(
+            state_bits(&cg.fetch_state().unwrap()),
+            state_bits(cc.state()),
+            "case {case}: clone"
+        );
+        // Home (host casts and update), then onto the device again.
+        qg.state_mut();
+        assert_eq!(qg.state_device(), None);
+        for (i, on_device) in [false, true].into_iter().enumerate() {
+            if on_device {
+                qg.to_device(GPU).unwrap();
+            }
+            let x = plain(&[96, 80], dtype, 7900 + i as u64, 3.0 + i as f32);
+            let cpu = qc.quantize(&x).unwrap();
+            let gpu = qg.quantize(&x.to_device(GPU).unwrap()).unwrap();
+            assert_same(&gpu, &cpu, &format!("case {case} trip {i}"));
+            qc.update(None);
+            match on_device {
+                true => qg.update_on_device().unwrap(),
+                false => qg.update(None),
+            }
+            assert_same_state(&qg, &qc, &format!("case {case} trip {i}"));
+        }
+    }
+}
+
+/// A training step's delayed-scaling casts and update, captured into one CUDA graph with
+/// the state on the device, replayed on new inputs: after every replay the outputs and
+/// the history and scale match the same steps on the CPU, bit for bit (so each replay
+/// cast with the scale the previous replay's update computed). Midway the state goes to
+/// the host and back, into the same buffers, and the graph goes on.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn fp8_delayed_scaling_steps_replay_in_a_cuda_graph() {
+    require_gpu();
+    let dev = tessera_core::cuda::device(0).unwrap();
+    let dtype = DType::BF16;
+    let shapes = [[256usize, 512], [128, 384]];
+    let mk = || {
+        Fp8DelayedScaling::new(Fp8Format::E4M3, 3)
+            .unwrap()
+            .with_usage(Usage::Both)
+    };
+    let (mut qc, mut qg) = (mk(), mk());
+    qg.to_device(GPU).unwrap();
+    let mut xs: Vec<Tensor> = shapes
+        .iter()
+        .map(|s| Tensor::zeros(*s, dtype, GPU).unwrap())
+        .collect();
+    let mut outs: Vec<QuantizedTensor> = xs
+        .iter()
+        .map(|x| qg.make_empty(x.shape(), dtype, GPU).unwrap())
+        .collect();
+    let graph = tessera_core::cuda::Graph::capture(&dev, || {
+        for (x, out) in xs.iter().zip(outs.iter_mut()) {
+            qg.quantize_into(x, out)?;
+        }
+        qg.update_on_device()
+    })
+    .unwrap();
+    for replay in 0..8u64 {
+        let hosts: Vec<Tensor> = shapes
+            .iter()
+            .zip(0u64..)
+            .map(|(s, i)| {
+                let mag = 2f32.powi((replay as i32 * 3) % 7 - 3);
+                plain(s, dtype, 8000 + 10 * replay + i, mag)
+            })
+            .collect();
+        for (x, h) in xs.iter_mut().zip(&hosts) {
+            dev.stream()
+                .memcpy_htod(&h.to_bytes().unwrap()[..], x.cuda_slice_mut().unwrap())
+                .unwrap();
+        }
+        graph.replay().unwrap();
+        for (h, out) in hosts.iter().zip(&outs) {
+            let want = qc.quantize(h).unwrap();
+            assert_same(out, &want, &format!("replay {replay} {:?}", h.shape()));
+        }
+        qc.update(None);
+        assert_eq!(
+            state_bits(&qg.fetch_state().unwrap()),
+            state_bits(qc.state()),
+            "replay {replay}"
+        );
+        if replay == 3 {
+            qg.state_mut();
+            qg.to_device(GPU).unwrap();
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn layout_helpers_match_the_cpu() {

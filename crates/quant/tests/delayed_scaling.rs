@@ -270,3 +270,37 @@ fn snapshots_restore_the_history_and_scale() {
     let s2 = r.snapshot();
     r.restore(&s2).unwrap();
 }
+
+/// While the state is on the host, the device-side calls say so instead of acting:
+/// `update_on_device` is a typed error naming `to_device`, there is no device slot 0,
+/// `fetch_state` is the host state, and a CPU "device" is refused. Without a GPU (CI),
+/// moving to a CUDA device fails cleanly and leaves a working host quantizer.
+#[test]
+fn device_side_calls_on_a_host_state() {
+    let mut q = Fp8DelayedScaling::new(Fp8Format::E4M3, 3)
+        .unwrap()
+        .with_scale(2.0)
+        .unwrap();
+    let x = Tensor::from_slice(&[1.0f32, -4.0, 0.5, 3.0], [2, 2], Device::Cpu).unwrap();
+    q.quantize(&x).unwrap();
+    assert_eq!(q.state_device(), None);
+    assert!(q.device_amax_mut().is_none());
+    let e = q.update_on_device().unwrap_err();
+    let on_host = matches!(e, Error::State { .. }) && e.to_string().contains("to_device");
+    assert!(on_host || matches!(e, Error::FeatureDisabled { .. }), "{e}");
+    assert_eq!(&q.fetch_state().unwrap(), q.state());
+    assert_eq!(q.state().history(), &[4.0, 0.0, 0.0]);
+    let e = q.to_device(Device::Cpu).unwrap_err();
+    assert!(
+        matches!(e, Error::Device { .. } | Error::FeatureDisabled { .. }),
+        "{e}"
+    );
+    #[cfg(feature = "cuda")]
+    if !tessera_core::cuda::is_available() {
+        assert!(q.to_device(Device::Cuda(0)).is_err());
+    }
+    assert_eq!(q.state_device(), None);
+    q.update(None);
+    assert_eq!(q.state().history(), &[0.0, 0.0, 4.0]);
+    assert_eq!(q.state().scale(), 448.0 / 4.0);
+}

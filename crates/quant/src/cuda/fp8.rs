@@ -1,16 +1,16 @@
 //! Per-tensor FP8 on the device.
 
-use cudarc::driver::{DeviceRepr, PushKernelArg};
-use tessera_core::cuda::{CudaDevice, grid_1d};
-use tessera_core::{DType, Error, Result, Tensor};
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use tessera_core::cuda::{CudaDevice, CudaResultExt, grid_1d};
+use tessera_core::{DType, Device, Error, Result, Tensor};
 
 use super::{
     BLOCK, FP8_DEQ_TILE_M, FP8_PTX, Order, Params, dequant_cols_grid, dequant_units_grid,
-    dequant_vals, device_addr, device_of, dtype_suffix, format_suffix, launch, launch_params,
-    scalar_target, tile_grid,
+    dequant_vals, device_addr, device_addr_mut, device_of, dtype_suffix, format_suffix, launch,
+    launch_params, scalar_target, tile_grid,
 };
 use crate::values::check_input;
-use crate::{BufferName, Fp8Format, QuantizedTensor};
+use crate::{AmaxComputeAlgo, BufferName, DelayedScalingState, Fp8Format, QuantizedTensor};
 
 /// NaN-ignoring `max |x|` of a CUDA tensor into a new device `f32 [1]`.
 pub(crate) fn amax(x: &Tensor) -> Result<Tensor> {
@@ -117,7 +117,7 @@ pub(crate) fn cast_into(
         ScaleFrom::Scale(_) => Order::AfterPrevious,
     };
     let sa = scale.arg(&dev, format)?;
-    let amax = amax.as_deref().map_or(Ok(0), |a| device_addr(&dev, a))?;
+    let amax = amax.map_or(Ok(0), |a| device_addr_mut(&dev, a))?;
     let xa = device_addr(&dev, x)?;
     let scale_inv = out.take_buffer(BufferName::ScaleInv)?;
     let sia = device_addr(&dev, &scale_inv)?;
@@ -251,4 +251,128 @@ pub(crate) fn dequantize_transposed(
         })
     }?;
     Ok(())
+}
+
+/// A delayed-scaling state held on a device, in the buffers the casts and the update
+/// kernel use: they stay put for the state's life (uploads write into them), so that a
+/// captured CUDA graph keeps addressing the live state.
+///
+/// History slot 0 is `slot0` (`f32 [1]`, where casts collect their amaxes); slots 1 ..
+/// are a ring (`f32 [max(len - 1, 1)]`) whose oldest entry, slot 1, is at index `head`
+/// (`u32 [1]`); the scale is `scale` (`f32 [1]`).
+#[derive(Clone)]
+pub(crate) struct DelayedState {
+    pub(crate) slot0: Tensor,
+    ring: Tensor,
+    /// The number of history slots (`len - 1` of them in the ring).
+    len: usize,
+    head: Tensor,
+    pub(crate) scale: Tensor,
+}
+
+impl DelayedState {
+    /// Buffers on `device` holding `state`.
+    pub(crate) fn upload(state: &DelayedScalingState, device: Device) -> Result<Self> {
+        let ring_len = (state.history().len() - 1).max(1);
+        let mut s = DelayedState {
+            slot0: Tensor::zeros([1], DType::F32, device)?,
+            ring: Tensor::zeros([ring_len], DType::F32, device)?,
+            len: state.history().len(),
+            head: Tensor::zeros([1], DType::U32, device)?,
+            scale: Tensor::zeros([1], DType::F32, device)?,
+        };
+        s.write(state)?;
+        Ok(s)
+    }
+
+    /// The device these buffers are on.
+    pub(crate) fn device(&self) -> Device {
+        self.slot0.device()
+    }
+
+    /// Whether `state` fits these buffers (the same history length).
+    pub(crate) fn fits(&self, state: &DelayedScalingState) -> bool {
+        state.history().len() == self.len
+    }
+
+    /// Writes `state` (of this history length) into the buffers, in place: slot 0, the
+    /// older slots from ring index 0, the scale.
+    pub(crate) fn write(&mut self, state: &DelayedScalingState) -> Result<()> {
+        const OP: &str = "Fp8DelayedScaling::to_device";
+        debug_assert!(self.fits(state));
+        let dev = device_of(&self.slot0)?;
+        let h = state.history();
+        let mut ring = h[1..].to_vec();
+        ring.resize(self.ring.numel(), 0.0);
+        let stream = dev.stream();
+        let put = |t: &mut Tensor, bytes: &[u8]| -> Result<()> {
+            stream.memcpy_htod(bytes, t.cuda_slice_mut()?).cuda_op(OP)?;
+            Ok(())
+        };
+        put(&mut self.slot0, bytemuck::bytes_of(&h[0]))?;
+        put(&mut self.ring, bytemuck::cast_slice(&ring))?;
+        put(&mut self.head, bytemuck::bytes_of(&0u32))?;
+        put(&mut self.scale, bytemuck::bytes_of(&state.scale()))
+    }
+
+    /// The state the buffers hold (waits for the device).
+    pub(crate) fn read(&self) -> Result<DelayedScalingState> {
+        let slot0 = self.slot0.to_vec::<f32>()?[0];
+        let ring = self.ring.to_vec::<f32>()?;
+        let head = self.head.to_vec::<u32>()?[0] as usize;
+        let scale = self.scale.to_vec::<f32>()?[0];
+        let older = &ring[..self.len - 1];
+        let mut history = Vec::with_capacity(self.len);
+        history.push(slot0);
+        if !older.is_empty() {
+            history.extend_from_slice(&older[head..]);
+            history.extend_from_slice(&older[..head]);
+        }
+        Ok(DelayedScalingState::from_parts(history, scale))
+    }
+
+    /// Queues [`DelayedScalingState::update`] of the held state, without a reduced amax
+    /// (an all-reduce of `slot0` in place takes its role), on the buffers' device.
+    pub(crate) fn update(
+        &mut self,
+        format: Fp8Format,
+        margin: i32,
+        algo: AmaxComputeAlgo,
+    ) -> Result<()> {
+        const OP: &str = "cuda fp8 delayed-scaling update";
+        let dev = device_of(&self.slot0)?;
+        let f = dev.function(&FP8_PTX, "tessera_fp8_delayed_update")?;
+        let ring_len = (self.len - 1) as u64;
+        let scaled_max = DelayedScalingState::scaled_max(format, margin);
+        let history_max = i32::from(algo == AmaxComputeAlgo::Max);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let DelayedState {
+            slot0,
+            ring,
+            head,
+            scale,
+            ..
+        } = self;
+        let (slot0, ring) = (slot0.cuda_slice_mut()?, ring.cuda_slice_mut()?);
+        let (head, scale) = (head.cuda_slice_mut()?, scale.cuda_slice_mut()?);
+        // SAFETY: (float* slot0, float* ring, u32* head, u64 ring_len, float* scale,
+        // float scaled_max, int history_max), one CTA: slot0, head and scale hold one
+        // element each, ring at least ring_len floats (max(len - 1, 1)), and head is
+        // below ring_len whenever ring_len > 0 (written 0, then advanced modulo it).
+        unsafe {
+            launch(&dev, &f, cfg, OP, |b| {
+                b.arg(slot0)
+                    .arg(ring)
+                    .arg(head)
+                    .arg(&ring_len)
+                    .arg(scale)
+                    .arg(&scaled_max)
+                    .arg(&history_max);
+            })
+        }
+    }
 }

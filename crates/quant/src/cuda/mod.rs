@@ -413,6 +413,15 @@ pub(crate) fn device_addr(dev: &CudaDevice, t: &Tensor) -> Result<u64> {
     Ok(p)
 }
 
+/// The device address of a CUDA tensor's storage that a kernel will write, passed inside
+/// a by-value struct. A storage shared with another tensor (a clone) is copied first, so
+/// the write reaches this tensor alone.
+pub(crate) fn device_addr_mut(dev: &CudaDevice, t: &mut Tensor) -> Result<u64> {
+    use cudarc::driver::DevicePtrMut;
+    let (p, _sync) = t.cuda_slice_mut()?.device_ptr_mut(dev.stream());
+    Ok(p)
+}
+
 /// `out`'s device slice, zeroed on the stream, once `out` is checked to be an `f32 [1]`
 /// on `x`'s device (a global amax a kernel accumulates into).
 pub(crate) fn scalar_target<'a>(
