@@ -207,36 +207,58 @@ CAST(f16, __half, e5m2, false)
 // ---- the delayed-scaling update --------------------------------------------------------
 
 // DelayedScalingState::update (crates/quant/src/fp8.rs; TE's fused amax-and-scale update)
-// of a state held on the device. History slot 0 is slot0[0], where the casts' atomic
-// maxima collect (an in-place all-reduce of it makes it the reduced amax); slots 1 ..
-// len-1 are the ring ring[0 .. ring_len) (ring_len = len - 1), slot 1 (the oldest) at
-// ring[head[0]]. Rolling the history is then one store: the newest amax replaces the
-// oldest entry and head moves on. scaled_max = fp8_max * 2^-margin, computed by the host
-// as its update does. One CTA of 256 threads.
-extern "C" __global__ void __launch_bounds__(256)
-    tessera_fp8_delayed_update(float* slot0, float* ring, uint32_t* head, u64 ring_len, float* scale,
-                               float scaled_max, int history_max) {
+// of states held on the device, one CTA of 256 threads per state. History slot 0 is
+// slot0[0], where the casts' atomic maxima collect (an in-place all-reduce of it makes it
+// the reduced amax); slots 1 .. len-1 are the ring ring[0 .. ring_len) (ring_len = len -
+// 1), slot 1 (the oldest) at ring[head[0]]. Rolling the history is then one store: the
+// newest amax replaces the oldest entry and head moves on. scaled_max = fp8_max *
+// 2^-margin, computed by the host as its update does. Field for field the host's
+// `DelayedDesc`.
+struct DelayedDesc {
+    float* slot0;
+    float* ring;
+    uint32_t* head;
+    u64 ring_len;
+    float* scale;
+    float scaled_max;
+    int history_max;
+};
+
+// States per launch: their descriptors travel as one kernel parameter (48 bytes each,
+// within the 4 KiB parameter space), so a captured graph holds them by value.
+#define DELAYED_BULK 64
+struct DelayedBulk {
+    DelayedDesc d[DELAYED_BULK];
+};
+
+__device__ void delayed_update(const DelayedDesc& d) {
     __shared__ float smem[32];
-    const float last = slot0[0];
+    const float last = d.slot0[0];
     if (last == 0.0f) return;  // nothing recorded: the history does not roll (every thread)
     // The NaN-ignoring max of `last` and slots 1 .. (Max), or `last` (MostRecent). A NaN
     // or non-positive result leaves the scale alone, so block_max's padding with 0 (for
     // absent warps) changes nothing that is kept.
     float amax = last;
-    if (history_max)
-        for (u64 i = threadIdx.x; i < ring_len; i += blockDim.x) amax = fmaxf(amax, ring[i]);
+    if (d.history_max)
+        for (u64 i = threadIdx.x; i < d.ring_len; i += blockDim.x) amax = fmaxf(amax, d.ring[i]);
     amax = block_max(amax, smem);  // (every thread has read the ring before any writes it)
     if (threadIdx.x != 0) return;
-    if (ring_len > 0) {
-        const uint32_t h = head[0];
-        ring[h] = last;
-        head[0] = (u64)h + 1 == ring_len ? 0u : h + 1;
+    if (d.ring_len > 0) {
+        const uint32_t h = d.head[0];
+        d.ring[h] = last;
+        d.head[0] = (u64)h + 1 == d.ring_len ? 0u : h + 1;
     }
-    slot0[0] = 0.0f;
+    d.slot0[0] = 0.0f;
     if (isfinite(amax) && amax > 0.0f) {
-        const float s = __fdiv_rn(scaled_max, amax);
-        scale[0] = isinf(s) ? 3.402823466e38f : s;
+        const float s = __fdiv_rn(d.scaled_max, amax);
+        d.scale[0] = isinf(s) ? 3.402823466e38f : s;
     }
+}
+
+// States b.d[0 .. n), n <= DELAYED_BULK; grid n CTAs.
+extern "C" __global__ void __launch_bounds__(256)
+    tessera_fp8_delayed_update(const __grid_constant__ DelayedBulk b, uint32_t n) {
+    if (blockIdx.x < n) delayed_update(b.d[blockIdx.x]);
 }
 
 // ---- dequantize ----------------------------------------------------------------------

@@ -414,7 +414,8 @@ impl Replay for DelayedScalingState {
 ///
 /// [`to_device`](Self::to_device) moves the state onto a device, as TE keeps it: casts
 /// there read the scale and max their amaxes into history slot 0 in device memory, and
-/// [`update_on_device`](Self::update_on_device) runs the update as one kernel. Nothing
+/// [`update_on_device`](Self::update_on_device) runs the update as one kernel
+/// ([`update_all_on_device`](Self::update_all_on_device): many quantizers' at once). Nothing
 /// then involves the host, so a training step's casts and updates can be captured into
 /// a CUDA graph (`tessera_core::cuda::Graph`) and replayed: the state's buffers stay put
 /// for the quantizer's life. Across ranks, all-reduce (MAX) slot 0
@@ -712,19 +713,52 @@ impl Fp8DelayedScaling {
     /// ([`to_device`](Self::to_device) first) or when an earlier read of the device
     /// failed.
     pub fn update_on_device(&mut self) -> Result<()> {
-        if !self.device.resident {
-            return Err(Error::state(
-                "Fp8DelayedScaling::update_on_device",
-                "the state is on the host: move it with `to_device` first, or update it \
-                 on the host with `update`",
-            ));
+        Self::update_all_on_device(&mut [self])
+    }
+
+    /// [`update_on_device`](Self::update_on_device) for every quantizer in
+    /// `quantizers`, in one kernel launch per 64 of them (TE updates all of a recipe's
+    /// histories in one launch too): a model's hundreds of quantizers cost a launch or a
+    /// few, and a graph node or a few. Every state must be on the same device; when one
+    /// is not, or an earlier read of a device failed, nothing is queued and the error is
+    /// returned.
+    pub fn update_all_on_device(quantizers: &mut [&mut Fp8DelayedScaling]) -> Result<()> {
+        const OP: &str = "Fp8DelayedScaling::update_on_device";
+        let mut device: Option<Device> = None;
+        for (i, q) in quantizers.iter().enumerate() {
+            let Some(d) = q.state_device() else {
+                return Err(Error::state(
+                    OP,
+                    format!(
+                        "the state of quantizer {i} is on the host: move it with `to_device` \
+                         first, or update it on the host with `update`"
+                    ),
+                ));
+            };
+            match device {
+                Some(first) if first != d => {
+                    return Err(Error::device(OP, first.to_string(), d));
+                }
+                _ => device = Some(d),
+            }
         }
-        if let Some(e) = self.device.error.take() {
-            return Err(e);
+        if let Some(q) = quantizers.iter_mut().find(|q| q.device.error.is_some()) {
+            return Err(q.device.error.take().expect("found above"));
         }
-        self.device.observed = OnceLock::new();
-        let held = self.device.held.as_mut().expect("a resident state is held");
-        held.update(self.format, self.margin, self.algo)
+        let mut updates: Vec<_> = quantizers
+            .iter_mut()
+            .map(|q| {
+                let q = &mut **q;
+                q.device.observed = OnceLock::new();
+                crate::cuda::fp8::DelayedUpdate {
+                    state: q.device.held.as_mut().expect("a resident state is held"),
+                    format: q.format,
+                    margin: q.margin,
+                    algo: q.algo,
+                }
+            })
+            .collect();
+        crate::cuda::fp8::update_all(&mut updates)
     }
 }
 

@@ -724,6 +724,71 @@ fn fp8_delayed_scaling_updates_on_the_device_match_the_cpu() {
     }
 }
 
+/// `update_all_on_device` over 150 device-held quantizers (three launches: 64, 64, 22)
+/// of every history length from 1 to 9, both algorithms, several margins and both
+/// formats, some without a cast since the last update (no roll): every history and
+/// scale matches a host update of its CPU twin, round after round. With one state left
+/// on the host the call is refused and queues nothing.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn fp8_delayed_scaling_bulk_update_matches_the_cpu() {
+    use tessera_quant::AmaxComputeAlgo::{Max, MostRecent};
+    require_gpu();
+    let n = 150usize;
+    let mk = |i: usize| {
+        let format = [Fp8Format::E4M3, Fp8Format::E5M2][i % 2];
+        Fp8DelayedScaling::new(format, 1 + i % 9)
+            .unwrap()
+            .with_usage(Usage::Rowwise)
+            .with_algo([Max, MostRecent][(i / 2) % 2])
+            .with_margin((i % 5) as i32 - 2)
+    };
+    let mut cpu: Vec<Fp8DelayedScaling> = (0..n).map(mk).collect();
+    let mut gpu: Vec<Fp8DelayedScaling> = (0..n).map(mk).collect();
+    for q in &mut gpu {
+        q.to_device(GPU).unwrap();
+    }
+    for round in 0..4usize {
+        for (i, (qc, qg)) in cpu.iter_mut().zip(gpu.iter_mut()).enumerate() {
+            if (i + round) % 7 == 3 {
+                continue;
+            }
+            let mag = 2f32.powi(((i * 3 + round * 5) % 17) as i32 - 8);
+            let x = plain(&[16, 32], DType::BF16, 9500 + (round * n + i) as u64, mag);
+            let want = qc.quantize(&x).unwrap();
+            let got = qg.quantize(&x.to_device(GPU).unwrap()).unwrap();
+            assert_same(&got, &want, &format!("round {round} quantizer {i}"));
+        }
+        for qc in &mut cpu {
+            qc.update(None);
+        }
+        let mut all: Vec<&mut Fp8DelayedScaling> = gpu.iter_mut().collect();
+        Fp8DelayedScaling::update_all_on_device(&mut all).unwrap();
+        for (i, (qc, qg)) in cpu.iter().zip(&gpu).enumerate() {
+            assert_eq!(
+                state_bits(&qg.fetch_state().unwrap()),
+                state_bits(qc.state()),
+                "round {round} quantizer {i}"
+            );
+        }
+    }
+    // One state brought home: refused, and the others are left as they were.
+    let x = plain(&[16, 32], DType::BF16, 9999, 5.0)
+        .to_device(GPU)
+        .unwrap();
+    for q in &mut gpu {
+        q.quantize(&x).unwrap();
+    }
+    let before: Vec<_> = gpu.iter().map(|q| q.fetch_state().unwrap()).collect();
+    gpu[77].state_mut();
+    let mut all: Vec<&mut Fp8DelayedScaling> = gpu.iter_mut().collect();
+    let e = Fp8DelayedScaling::update_all_on_device(&mut all).unwrap_err();
+    assert!(e.to_string().contains("quantizer 77"), "{e}");
+    for (i, q) in gpu.iter().enumerate() {
+        assert_eq!(q.fetch_state().unwrap(), before[i], "quantizer {i}");
+    }
+}
+
 /// A training step's delayed-scaling casts and update, captured into one CUDA graph with
 /// the state on the device, replayed on new inputs: after every replay the outputs and
 /// the history and scale match the same steps on the CPU, bit for bit (so each replay

@@ -330,49 +330,91 @@ impl DelayedState {
         }
         Ok(DelayedScalingState::from_parts(history, scale))
     }
+}
 
-    /// Queues [`DelayedScalingState::update`] of the held state, without a reduced amax
-    /// (an all-reduce of `slot0` in place takes its role), on the buffers' device.
-    pub(crate) fn update(
-        &mut self,
-        format: Fp8Format,
-        margin: i32,
-        algo: AmaxComputeAlgo,
-    ) -> Result<()> {
-        const OP: &str = "cuda fp8 delayed-scaling update";
-        let dev = device_of(&self.slot0)?;
-        let f = dev.function(&FP8_PTX, "tessera_fp8_delayed_update")?;
-        let ring_len = (self.len - 1) as u64;
-        let scaled_max = DelayedScalingState::scaled_max(format, margin);
-        let history_max = i32::from(algo == AmaxComputeAlgo::Max);
+/// The kernels' `DelayedDesc` (kernels/fp8.cu), field for field: one state's buffers
+/// and update parameters.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct DelayedDesc {
+    slot0: u64,
+    ring: u64,
+    head: u64,
+    ring_len: u64,
+    scale: u64,
+    scaled_max: f32,
+    history_max: i32,
+}
+
+/// States per update launch (`DELAYED_BULK` in kernels/fp8.cu).
+const DELAYED_BULK: usize = 64;
+
+/// The kernels' `DelayedBulk`: the descriptors of one launch, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DelayedBulk {
+    d: [DelayedDesc; DELAYED_BULK],
+}
+
+// SAFETY: #[repr(C)] arrays of a #[repr(C)] struct of five u64 and two 4-byte fields,
+// laid out exactly as the kernel's `DelayedBulk` (naturally aligned, no implicit
+// padding: 48 bytes a descriptor), passed by value.
+unsafe impl DeviceRepr for DelayedBulk {}
+
+/// One state to update: its buffers, the update's `fp8_max · 2^-margin`, and the
+/// algorithm.
+pub(crate) struct DelayedUpdate<'a> {
+    pub(crate) state: &'a mut DelayedState,
+    pub(crate) format: Fp8Format,
+    pub(crate) margin: i32,
+    pub(crate) algo: AmaxComputeAlgo,
+}
+
+/// Queues [`DelayedScalingState::update`] of every state in `updates` (all on one
+/// device), without a reduced amax (an all-reduce of slot 0 in place takes its role): one
+/// CTA per state, up to 64 states a launch, their descriptors passed by value so that a
+/// captured graph holds them. Nothing waits and nothing is allocated (unless a buffer is
+/// shared with a clone, which is copied first).
+pub(crate) fn update_all(updates: &mut [DelayedUpdate<'_>]) -> Result<()> {
+    const OP: &str = "cuda fp8 delayed-scaling update";
+    let Some(first) = updates.first() else {
+        return Ok(());
+    };
+    let dev = device_of(&first.state.slot0)?;
+    let device = first.state.device();
+    let f = dev.function(&FP8_PTX, "tessera_fp8_delayed_update")?;
+    for chunk in updates.chunks_mut(DELAYED_BULK) {
+        let mut bulk = DelayedBulk {
+            d: [DelayedDesc::default(); DELAYED_BULK],
+        };
+        for (d, u) in bulk.d.iter_mut().zip(chunk.iter_mut()) {
+            let s = &mut *u.state;
+            if s.device() != device {
+                return Err(Error::device(OP, device.to_string(), s.device()));
+            }
+            *d = DelayedDesc {
+                slot0: device_addr_mut(&dev, &mut s.slot0)?,
+                ring: device_addr_mut(&dev, &mut s.ring)?,
+                head: device_addr_mut(&dev, &mut s.head)?,
+                ring_len: (s.len - 1) as u64,
+                scale: device_addr_mut(&dev, &mut s.scale)?,
+                scaled_max: DelayedScalingState::scaled_max(u.format, u.margin),
+                history_max: i32::from(u.algo == AmaxComputeAlgo::Max),
+            };
+        }
+        let n = chunk.len() as u32;
         let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
+            grid_dim: (n, 1, 1),
             block_dim: (BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
-        let DelayedState {
-            slot0,
-            ring,
-            head,
-            scale,
-            ..
-        } = self;
-        let (slot0, ring) = (slot0.cuda_slice_mut()?, ring.cuda_slice_mut()?);
-        let (head, scale) = (head.cuda_slice_mut()?, scale.cuda_slice_mut()?);
-        // SAFETY: (float* slot0, float* ring, u32* head, u64 ring_len, float* scale,
-        // float scaled_max, int history_max), one CTA: slot0, head and scale hold one
-        // element each, ring at least ring_len floats (max(len - 1, 1)), and head is
-        // below ring_len whenever ring_len > 0 (written 0, then advanced modulo it).
-        unsafe {
-            launch(&dev, &f, cfg, OP, |b| {
-                b.arg(slot0)
-                    .arg(ring)
-                    .arg(head)
-                    .arg(&ring_len)
-                    .arg(scale)
-                    .arg(&scaled_max)
-                    .arg(&history_max);
-            })
-        }
+        let mut p = Params::default();
+        p.arg(&bulk).arg(&n);
+        // SAFETY: (DelayedBulk b, u32 n), n CTAs: the first n descriptors address live
+        // buffers of this device (checked above): slot0, head and scale one element
+        // each, ring at least ring_len floats (max(len - 1, 1) allocated), head below
+        // ring_len whenever ring_len > 0 (written 0, then advanced modulo it).
+        unsafe { launch_params(&dev, &f, cfg, OP, Order::AfterPrevious, &mut p) }?;
     }
+    Ok(())
 }
