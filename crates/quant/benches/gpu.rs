@@ -65,6 +65,36 @@ impl Bench<'_> {
         });
         Ok(())
     }
+
+    /// Times training-step-like use of delayed scaling: casts into `out`, and `update`
+    /// after every tenth.
+    fn delayed_steps(
+        &mut self,
+        x: &Tensor,
+        out: &mut QuantizedTensor,
+        q: &mut Fp8DelayedScaling,
+        name: &str,
+        mut update: impl FnMut(&mut Fp8DelayedScaling) -> Result<()>,
+    ) -> Result<()> {
+        let bytes = x.size_in_bytes() + out.size_in_bytes();
+        let mut n = 0usize;
+        let ms = time(self.dev, self.iters, || {
+            q.quantize_into(x, out)?;
+            n += 1;
+            if n.is_multiple_of(BATCH) {
+                update(q)?;
+            }
+            Ok(())
+        })?;
+        self.rows.push(Row {
+            shape: x.shape().to_string(),
+            name: name.into(),
+            ms,
+            bytes,
+            floor_bytes: bytes,
+        });
+        Ok(())
+    }
 }
 
 fn main() -> Result<()> {
@@ -130,23 +160,29 @@ fn main() -> Result<()> {
             // update); and `quantize` allocating its outputs each call.
             let mut q = Fp8DelayedScaling::new(e4, 16)?.with_usage(usage);
             let mut out = q.make_empty(x.shape(), x.dtype(), x.device())?;
-            let bytes = x.size_in_bytes() + out.size_in_bytes();
-            let mut n = 0usize;
-            let ms = time(b.dev, b.iters, || {
-                q.quantize_into(&x, &mut out)?;
-                n += 1;
-                if n.is_multiple_of(BATCH) {
+            b.delayed_steps(
+                &x,
+                &mut out,
+                &mut q,
+                &format!("fp8 delayed {u}, update per 10"),
+                |q| {
                     q.update(None);
-                }
-                Ok(())
-            })?;
-            b.rows.push(Row {
-                shape: shape.to_string(),
-                name: format!("fp8 delayed {u}, update per 10"),
-                ms,
-                bytes,
-                floor_bytes: bytes,
-            });
+                    Ok(())
+                },
+            )?;
+            // The same with the state on the device: the update is a kernel, and
+            // nothing waits for the device.
+            let mut qd = Fp8DelayedScaling::new(e4, 16)?.with_usage(usage);
+            qd.to_device(gpu)?;
+            let name = format!("fp8 delayed {u}, device update per 10");
+            b.delayed_steps(
+                &x,
+                &mut out,
+                &mut qd,
+                &name,
+                Fp8DelayedScaling::update_on_device,
+            )?;
+            let bytes = x.size_in_bytes() + out.size_in_bytes();
             let ms = time(b.dev, b.iters, || q.quantize(&x).map(drop))?;
             b.rows.push(Row {
                 shape: shape.to_string(),
@@ -262,7 +298,7 @@ fn main() -> Result<()> {
         dev.compute_capability().1
     );
     println!(
-        "{:12} {:34} {:>9} {:>9} {:>8} {:>9}",
+        "{:12} {:42} {:>9} {:>9} {:>8} {:>9}",
         "shape", "kernel", "ms", "GB/s", "of copy", "of floor"
     );
     let mut json = String::from("{\n  \"rows\": [\n");
@@ -275,7 +311,7 @@ fn main() -> Result<()> {
         let gbs = r.bytes as f64 / r.ms / 1e6;
         let floor = r.floor_bytes as f64 / r.ms / 1e6 / copy;
         println!(
-            "{:12} {:34} {:9.4} {:9.1} {:8.3} {:9.3}",
+            "{:12} {:42} {:9.4} {:9.1} {:8.3} {:9.3}",
             r.shape,
             r.name,
             r.ms,

@@ -396,6 +396,45 @@ fn plain(shape: &[usize], dtype: DType, seed: u64, mag: f32) -> Tensor {
     tensor_of(&v, shape, dtype)
 }
 
+/// Call `call` of step `step` of a delayed-scaling sequence: plain values with magnitudes
+/// that move the scale up and down, or (call 1 of a `special` step) values with NaN,
+/// infinities and extremes.
+fn step_input(
+    shape: &[usize],
+    dtype: DType,
+    seed: u64,
+    step: usize,
+    call: usize,
+    special: bool,
+) -> Tensor {
+    if special && call == 1 {
+        input(shape, dtype, seed)
+    } else {
+        let mag = 2f32.powi((step as i32 * 5 + call as i32) % 13 - 6);
+        plain(shape, dtype, seed, mag)
+    }
+}
+
+/// `x` (on the host) cast by `qg` on the device and by `qc` on the host, as (GPU, CPU):
+/// through `quantize` on even calls, `quantize_into` a poisoned output on odd ones.
+fn cast_both(
+    qg: &mut Fp8DelayedScaling,
+    qc: &mut Fp8DelayedScaling,
+    x: &Tensor,
+    call: usize,
+) -> (QuantizedTensor, QuantizedTensor) {
+    let cpu = qc.quantize(x).unwrap();
+    let xd = x.to_device(GPU).unwrap();
+    let gpu = if call.is_multiple_of(2) {
+        qg.quantize(&xd).unwrap()
+    } else {
+        let mut out = poisoned_output(qg, x);
+        qg.quantize_into(&xd, &mut out).unwrap();
+        out
+    };
+    (gpu, cpu)
+}
+
 /// The history and scale of two delayed-scaling quantizers, bit for bit (NaN included),
 /// and their `Debug` text.
 fn assert_same_state(gpu: &Fp8DelayedScaling, cpu: &Fp8DelayedScaling, what: &str) {
@@ -456,28 +495,15 @@ fn fp8_delayed_scaling_steps_match_the_cpu() {
                 for call in 0..4usize {
                     seed += 1;
                     let shape = shapes[(step + call + case) % shapes.len()];
-                    // Magnitudes that move the scale up and down; step 5 has NaN and
-                    // infinities (the scale is kept, the history records Inf).
-                    let x = if step == 5 && call == 1 {
-                        input(shape, dtype, seed)
-                    } else {
-                        let mag = 2f32.powi((step as i32 * 5 + call as i32) % 13 - 6);
-                        plain(shape, dtype, seed, mag)
-                    };
-                    let xd = x.to_device(GPU).unwrap();
+                    // Step 5 has NaN and infinities (the scale is kept, the history
+                    // records Inf).
+                    let x = step_input(shape, dtype, seed, step, call, step == 5);
                     let off = step == 2 && call == 1;
                     if off {
                         qc.set_record_amax(false);
                         qg.set_record_amax(false);
                     }
-                    let cpu = qc.quantize(&x).unwrap();
-                    let gpu = if call % 2 == 0 {
-                        qg.quantize(&xd).unwrap()
-                    } else {
-                        let mut out = poisoned_output(&qg, &x);
-                        qg.quantize_into(&xd, &mut out).unwrap();
-                        out
-                    };
+                    let (gpu, cpu) = cast_both(&mut qg, &mut qc, &x, call);
                     if off {
                         qc.set_record_amax(true);
                         qg.set_record_amax(true);
@@ -654,24 +680,11 @@ fn fp8_delayed_scaling_updates_on_the_device_match_the_cpu() {
             for call in 0..calls {
                 seed += 1;
                 let shape = shapes[(step + call + case) % shapes.len()];
-                let x = if step == 4 && call == 1 {
-                    input(shape, dtype, seed)
-                } else {
-                    let mag = 2f32.powi((step as i32 * 5 + call as i32) % 13 - 6);
-                    plain(shape, dtype, seed, mag)
-                };
+                let x = step_input(shape, dtype, seed, step, call, step == 4);
                 let off = step == 1 && call == 2;
                 qc.set_record_amax(!off);
                 qg.set_record_amax(!off);
-                let cpu = qc.quantize(&x).unwrap();
-                let xd = x.to_device(GPU).unwrap();
-                let gpu = if call % 2 == 0 {
-                    qg.quantize(&xd).unwrap()
-                } else {
-                    let mut out = poisoned_output(&qg, &x);
-                    qg.quantize_into(&xd, &mut out).unwrap();
-                    out
-                };
+                let (gpu, cpu) = cast_both(&mut qg, &mut qc, &x, call);
                 assert_same(&gpu, &cpu, &format!("{what} call {call} {shape:?}"));
             }
             if step == 2 {
