@@ -427,6 +427,8 @@ impl Replay for DelayedScalingState {
 /// or on another device bring the state back to the host first.
 ///
 /// Clones are independent: buffers shared with a clone are copied before either writes.
+/// A captured graph, though, writes the buffers it was captured with, whichever of the
+/// two ends up owning them: clone before capturing, not after.
 #[derive(Clone)]
 pub struct Fp8DelayedScaling {
     format: Fp8Format,
