@@ -560,17 +560,12 @@ impl Fp8DelayedScaling {
     /// error shows the state as the host last knew it, and is returned by the next call
     /// that needs the device.
     pub fn state(&self) -> &DelayedScalingState {
-        let read = || -> Observed {
-            match (self.device.resident, &self.device.pending) {
-                (true, _) => self.read_held(),
-                (false, Some(p)) => Observed::read(&self.state, p),
-                (false, None) => unreachable!("state() reads only when there is something to read"),
-            }
-        };
-        if self.device.resident || self.device.pending.is_some() {
-            &self.device.observed.get_or_init(read).state
-        } else {
-            &self.state
+        if let Some(o) = self.device.observed.get() {
+            return &o.state;
+        }
+        match self.read_device() {
+            Some(o) => &self.device.observed.get_or_init(|| o).state,
+            None => &self.state,
         }
     }
 
@@ -579,14 +574,21 @@ impl Fp8DelayedScaling {
     /// kept, so this also sees what replays of a captured graph did. A failed read is
     /// returned.
     pub fn fetch_state(&self) -> Result<DelayedScalingState> {
-        let o = match (self.device.resident, &self.device.pending) {
-            (true, _) => self.read_held(),
-            (false, Some(p)) => Observed::read(&self.state, p),
-            (false, None) => return Ok(self.state.clone()),
-        };
-        match o.error {
-            Some(e) => Err(e),
-            None => Ok(o.state),
+        match self.read_device() {
+            None => Ok(self.state.clone()),
+            Some(Observed { error: Some(e), .. }) => Err(e),
+            Some(o) => Ok(o.state),
+        }
+    }
+
+    /// The state as the device holds it now (waits for the device): the host state with
+    /// the pending amaxes recorded, or the whole state read back while it is on a
+    /// device; `None` when the device holds none of it.
+    fn read_device(&self) -> Option<Observed> {
+        match (self.device.resident, &self.device.pending) {
+            (true, _) => Some(self.read_held()),
+            (false, Some(p)) => Some(Observed::read(&self.state, p)),
+            (false, None) => None,
         }
     }
 
@@ -602,21 +604,11 @@ impl Fp8DelayedScaling {
     /// takes the whole state back from the device (reading it unless `state()` already
     /// did); a read error is kept for the next call that needs the device.
     fn settle(&mut self) {
-        let observed = if self.device.resident {
-            self.device.resident = false;
-            self.device
-                .observed
-                .take()
-                .unwrap_or_else(|| self.read_held())
-        } else {
-            let Some(pending) = self.device.pending.take() else {
-                return;
-            };
-            match self.device.observed.take() {
-                Some(o) => o,
-                None => Observed::read(&self.state, &pending),
-            }
+        let Some(observed) = self.device.observed.take().or_else(|| self.read_device()) else {
+            return;
         };
+        self.device.resident = false;
+        self.device.pending = None;
         self.state = observed.state;
         if let Some(e) = observed.error {
             self.device.error.get_or_insert(e);
@@ -725,24 +717,14 @@ impl Fp8DelayedScaling {
     /// is not, or an earlier read of a device failed, nothing is queued and the error is
     /// returned.
     pub fn update_all_on_device(quantizers: &mut [&mut Fp8DelayedScaling]) -> Result<()> {
-        const OP: &str = "Fp8DelayedScaling::update_on_device";
-        let mut device: Option<Device> = None;
-        for (i, q) in quantizers.iter().enumerate() {
-            let Some(d) = q.state_device() else {
-                return Err(Error::state(
-                    OP,
-                    format!(
-                        "the state of quantizer {i} is on the host: move it with `to_device` \
-                         first, or update it on the host with `update`"
-                    ),
-                ));
-            };
-            match device {
-                Some(first) if first != d => {
-                    return Err(Error::device(OP, first.to_string(), d));
-                }
-                _ => device = Some(d),
-            }
+        if let Some(i) = quantizers.iter().position(|q| !q.device.resident) {
+            return Err(Error::state(
+                "Fp8DelayedScaling::update_on_device",
+                format!(
+                    "the state of quantizer {i} is on the host: move it with `to_device` \
+                     first, or update it on the host with `update`"
+                ),
+            ));
         }
         if let Some(q) = quantizers.iter_mut().find(|q| q.device.error.is_some()) {
             return Err(q.device.error.take().expect("found above"));

@@ -371,17 +371,20 @@ pub(crate) struct DelayedUpdate<'a> {
 }
 
 /// Queues [`DelayedScalingState::update`] of every state in `updates` (all on one
-/// device), without a reduced amax (an all-reduce of slot 0 in place takes its role): one
-/// CTA per state, up to 64 states a launch, their descriptors passed by value so that a
-/// captured graph holds them. Nothing waits and nothing is allocated (unless a buffer is
+/// device, else an error before anything is queued), without a reduced amax (an
+/// all-reduce of slot 0 in place takes its role): one CTA per state, up to 64 states a
+/// launch, their descriptors passed by value so that a captured graph holds them. Nothing waits and nothing is allocated (unless a buffer is
 /// shared with a clone, which is copied first).
 pub(crate) fn update_all(updates: &mut [DelayedUpdate<'_>]) -> Result<()> {
     const OP: &str = "cuda fp8 delayed-scaling update";
     let Some(first) = updates.first() else {
         return Ok(());
     };
-    let dev = device_of(&first.state.slot0)?;
     let device = first.state.device();
+    if let Some(u) = updates.iter().find(|u| u.state.device() != device) {
+        return Err(Error::device(OP, device.to_string(), u.state.device()));
+    }
+    let dev = device_of(&first.state.slot0)?;
     let f = dev.function(&FP8_PTX, "tessera_fp8_delayed_update")?;
     for chunk in updates.chunks_mut(DELAYED_BULK) {
         let mut bulk = DelayedBulk {
@@ -389,9 +392,6 @@ pub(crate) fn update_all(updates: &mut [DelayedUpdate<'_>]) -> Result<()> {
         };
         for (d, u) in bulk.d.iter_mut().zip(chunk.iter_mut()) {
             let s = &mut *u.state;
-            if s.device() != device {
-                return Err(Error::device(OP, device.to_string(), s.device()));
-            }
             *d = DelayedDesc {
                 slot0: device_addr_mut(&dev, &mut s.slot0)?,
                 ring: device_addr_mut(&dev, &mut s.ring)?,
@@ -411,7 +411,7 @@ pub(crate) fn update_all(updates: &mut [DelayedUpdate<'_>]) -> Result<()> {
         let mut p = Params::default();
         p.arg(&bulk).arg(&n);
         // SAFETY: (DelayedBulk b, u32 n), n CTAs: the first n descriptors address live
-        // buffers of this device (checked above): slot0, head and scale one element
+        // buffers of this device (checked before the loop): slot0, head and scale one element
         // each, ring at least ring_len floats (max(len - 1, 1) allocated), head below
         // ring_len whenever ring_len > 0 (written 0, then advanced modulo it).
         unsafe { launch_params(&dev, &f, cfg, OP, Order::AfterPrevious, &mut p) }?;
