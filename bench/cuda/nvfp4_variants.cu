@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fp8.cu"
+#include "bulk.cuh"
 #include "harness.cuh"
 #include "nvfp4.cu"
 
@@ -110,6 +111,69 @@ __device__ void nvfp4_both_pipe_impl(const T* __restrict__ x, const Nvfp4Args a)
 extern "C" __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB)
     tessera_nvfp4_both_pipe_bf16(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
     nvfp4_both_pipe_impl<__nv_bfloat16>(x, a);
+}
+
+// ---- the both kernel, persistent, with bulk copies (an experiment) ---------------------
+//
+// As the cp.async pipeline above, but the next tile arrives through 128 bulk
+// asynchronous copies (one per row, one instruction for each of threads 0-127, completing
+// on an mbarrier) into one 32 KiB stage, issued once every lane holds the current tile
+// in registers: no per-lane copies, no registers held by the loads in flight. Edge tiles
+// load straight from global memory.
+template <class T>
+__device__ void nvfp4_both_bulk_impl(const T* __restrict__ x, const Nvfp4Args a) {
+    static_assert(sizeof(T) == 2, "the bulk kernel takes 2-byte inputs");
+    constexpr uint32_t ROW = 128 * sizeof(T);
+    extern __shared__ __align__(128) uint8_t stage[];  // [128][ROW]
+    __shared__ BothShared sh;
+    __shared__ uint64_t bar;
+    const BothLane l;
+    const int t = threadIdx.x;
+    const uint32_t gx = (uint32_t)((a.m + 127) / 128), gy = (uint32_t)((a.k + 127) / 128);
+    const uint32_t hb = band_log2(gx), tiles = (((gx + (1u << hb) - 1u) >> hb) << hb) * gy;
+    const u64 row_vectors = a.k * sizeof(T) / 16;
+    const bool aligned = (reinterpret_cast<uintptr_t>(x) % 16) == 0;
+    auto full = [&](TileRC tile) {
+        return aligned && (u64)(tile.row + 1) * 128 <= a.m && (u64)(tile.col + 1) * 128 <= a.k;
+    };
+    auto issue = [&](uint32_t i) {
+        const TileRC tile = banded_tile(i, hb, gy, tiles);
+        if (!full(tile)) return;
+        if (t == 0) mbar_arrive_expect(&bar, 128 * ROW);
+        if (t < 128) bulk_load(stage + t * ROW, x + ((u64)tile.row * 128 + t) * a.k + (u64)tile.col * 128, ROW, &bar);
+    };
+    if (t == 0) mbar_init(&bar, 1);
+    both_tables(sh, a);
+    __syncthreads();
+    uint32_t phase = 0;
+    uint32_t i = blockIdx.x;
+    if (i < tiles) issue(i);
+    for (; i < tiles; i += gridDim.x) {
+        const TileRC tile = banded_tile(i, hb, gy, tiles);
+        if (tile.row >= gx) continue;  // padding of the last band (the whole CTA; nothing issued)
+        const u64 R0 = (u64)tile.row * 128, C0 = (u64)tile.col * 128;
+        const bool valid = R0 + l.rt < a.m && C0 + l.ct < a.k;
+        BothTile<T> d;
+        if (full(tile)) {
+            mbar_wait(&bar, phase);
+            phase ^= 1;
+#pragma unroll
+            for (int r = 0; r < 8; ++r) d.u[r][0] = *reinterpret_cast<const uint4*>(stage + (l.rt + r) * ROW + l.ct * sizeof(T));
+        } else {
+            const uint4* src = reinterpret_cast<const uint4*>(x + (R0 + l.rt) * a.k + C0 + l.ct);
+#pragma unroll
+            for (int r = 0; r < 8; ++r) d.u[r][0] = valid ? src[r * row_vectors] : make_uint4(0u, 0u, 0u, 0u);
+        }
+        __syncthreads();  // every lane holds its tile: the stage may be refilled
+        if (t == 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        if (i + gridDim.x < tiles) issue(i + gridDim.x);
+        both_tile<T>(d, l, R0, C0, valid, a, sh);
+    }
+}
+
+template <int MINB>
+__global__ void __launch_bounds__(256, MINB) both_bulk(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
+    nvfp4_both_bulk_impl<__nv_bfloat16>(x, a);
 }
 
 // ---- the both kernel with the next tile prefetched into L2 (experiments) ----------------
@@ -314,6 +378,21 @@ static void run_shape(u64 M, u64 K, int normal) {
                 const float tpk = time_ms([&] { tessera_nvfp4_both_pipe_bf16<<<pipe_grid, 256, pipe_smem>>>(x, a); });
                 std::snprintf(name, sizeof name, "both pipelined (%d CTAs/SM)%s", per_sm, swz ? " swz" : "");
                 report(name, tpk);
+                // Persistent with bulk copies: 32 KiB of dynamic shared memory a CTA.
+                auto bulk_run = [&](auto kernel, const char* label) {
+                    const int smem = 128 * 256;
+                    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+                    int per = 0;
+                    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, 256, smem));
+                    const unsigned g = (unsigned)std::min<u64>((u64)per * sms, (u64)grid.x * grid.y);
+                    clear();
+                    const float tb = time_ms([&] { kernel<<<g, 256, smem>>>(x, a); });
+                    std::snprintf(name, sizeof name, "%s (%d CTAs/SM)%s", label, per, swz ? " swz" : "");
+                    report(name, tb);
+                };
+                bulk_run(both_bulk<4>, "both bulk-pipelined");
+                bulk_run(both_bulk<3>, "both bulk-pipelined");
+                bulk_run(both_bulk<2>, "both bulk-pipelined");
                 // The quantizer's sequence, timed as one: the amax pass, then the kernel
                 // (which may find the amax pass's last reads in L2).
                 const double floor_ms = (in + in + 2 * ob) / copy_gbs / 1e6;

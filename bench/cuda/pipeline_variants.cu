@@ -1,0 +1,205 @@
+// Persistent 128x128-tile kernels whose next tile streams into shared memory through bulk
+// asynchronous copies (cp.async.bulk, completing on an mbarrier) while the current tile is
+// quantized from registers, against the shipped one-tile-per-CTA kernels: FP8 block 1x128
+// both, 128x128 rowwise and both, and the FP8 cast-transpose. Build:
+//   nvcc -O3 -arch=sm_90 -std=c++17 -I crates/quant/kernels bench/cuda/pipeline_variants.cu -o pv
+// Run at QV_M x QV_K (multiples of 128; default 4096x4096). Each line prints the time, the
+// ratio to cudaMemcpy and FNV-1a hashes of every output; a pipelined kernel's hashes must
+// equal its tile kernel's.
+// The idea: the tile kernels load a whole tile, then compute, then store; at 4096x4096
+// (2.6 waves of 3 CTAs per SM) the CTAs of a wave run in step, so HBM idles while they
+// compute. Here a CTA issues the next tile's loads (one bulk copy per row, issued by 128
+// threads: one instruction each, no registers held) before it quantizes the current one.
+#include <cstdio>
+#include <vector>
+
+#include "block.cu"
+#include "fp8.cu"
+
+#include "bulk.cuh"
+#include "harness.cuh"
+
+// Launch bound of the pipelined kernels (minimum CTAs per SM).
+#ifndef PV_MINB
+#define PV_MINB 3
+#endif
+
+// ---- the persistent pipeline --------------------------------------------------------------
+
+// Tile i of a grid with gy tile columns, row-major; `op(x4, m0, k0)` quantizes it.
+// Full tiles (and rows 16-byte aligned) come through the shared stage; edge tiles load
+// straight from global memory.
+template <class T, class Op>
+__device__ void pipeline(const T* __restrict__ x, u64 m, u64 k, Op op) {
+    using Tl = Tile128<T>;
+    constexpr int V = Tl::V;
+    constexpr uint32_t ROW = 128 * sizeof(T);
+    extern __shared__ __align__(128) uint8_t stage[];
+    __shared__ uint64_t bar;
+    const int t = threadIdx.x, rg = t >> 3, cg = t & 7;
+    const u64 gy = (k + 127) / 128, gx = (m + 127) / 128;
+    const uint32_t tiles = (uint32_t)(gx * gy);
+    const bool aligned = (k % V) == 0 && (reinterpret_cast<uintptr_t>(x) % 16) == 0;
+    auto full = [&](uint32_t i) { return aligned && (i / (uint32_t)gy + 1) * 128 <= m && (i % (uint32_t)gy + 1) * 128 <= k; };
+    auto issue = [&](uint32_t i) {
+        if (!full(i)) return;
+        const u64 m0 = (u64)(i / (uint32_t)gy) * 128, k0 = (u64)(i % (uint32_t)gy) * 128;
+        if (t == 0) mbar_arrive_expect(&bar, 128 * ROW);
+        if (t < 128) bulk_load(stage + t * ROW, x + (m0 + t) * k + k0, ROW, &bar);
+    };
+    if (t == 0) mbar_init(&bar, 1);
+    __syncthreads();
+    uint32_t phase = 0;
+    uint32_t i = blockIdx.x;
+    if (i < tiles) issue(i);
+    for (; i < tiles; i += gridDim.x) {
+        const u64 m0 = (u64)(i / (uint32_t)gy) * 128, k0 = (u64)(i % (uint32_t)gy) * 128;
+        Tl x4;
+        if (full(i)) {
+            mbar_wait(&bar, phase);
+            phase ^= 1;
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int l = 0; l < Tl::L; ++l)
+                    x4.d.u[r][l] = *reinterpret_cast<const uint4*>(stage + (4 * rg + r) * ROW + (l * 8 * V + cg * V) * sizeof(T));
+        } else {
+            x4.load(x, m, k, m0, k0, rg, cg);
+        }
+        __syncthreads();  // every thread has its tile: the stage may be refilled
+        if (t == 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        if (i + gridDim.x < tiles) issue(i + gridDim.x);
+        op(x4, m0, k0);
+    }
+}
+
+template <class T, bool E4M3, bool two_d>
+__global__ void __launch_bounds__(256, PV_MINB)
+    block_pipe(const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps, float value_for_inf,
+               uint8_t* q_row, float* s_row, u64 s_row_cols, uint8_t* q_col, float* s_col, u64 s_col_cols) {
+    pipeline<T>(x, m, k, [&](const Tile128<T>& x4, u64 m0, u64 k0) {
+        block_tile<T, E4M3, two_d>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row, s_row_cols,
+                                   q_col, s_col, s_col_cols);
+    });
+}
+
+template <class T, bool E4M3>
+__global__ void __launch_bounds__(256, PV_MINB)
+    cast_transpose_pipe(const T* __restrict__ x, uint8_t* q, uint8_t* qt, u64 m, u64 k, const Fp8Scale sa,
+                        float* scale_inv, float* amax) {
+    const float scale = cast_scale(sa);
+    if (blockIdx.x == 0 && threadIdx.x == 0) scale_inv[0] = __frcp_rn(scale);
+    pipeline<T>(x, m, k, [&](const Tile128<T>& x4, u64 m0, u64 k0) {
+        cast_transpose_tile<T, E4M3>(x4, m0, k0, q, qt, m, k, scale, amax);
+    });
+}
+
+static const u64 M = std::getenv("QV_M") ? std::strtoull(std::getenv("QV_M"), nullptr, 10) : 4096;
+static const u64 K = std::getenv("QV_K") ? std::strtoull(std::getenv("QV_K"), nullptr, 10) : 4096;
+static double copy_gbs;
+
+static void report(const char* name, float ms, double bytes, std::vector<std::pair<const void*, size_t>> outs) {
+    report_hashes(name, ms, bytes, copy_gbs, outs);
+}
+
+// The persistent grid of kernel k: every CTA that fits at once (at most one per tile), or
+// QV_CTAS per SM when set.
+template <class K> static unsigned persistent_grid(K kern, size_t smem, unsigned tiles) {
+    int per_sm = 0, sms = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, 256, smem));
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    if (std::getenv("QV_CTAS")) per_sm = std::min(per_sm, std::atoi(std::getenv("QV_CTAS")));
+    return std::min<unsigned>(tiles, (unsigned)(per_sm * sms));
+}
+
+int main() {
+    const u64 n = M * K;
+    const std::vector<uint16_t> h = bf16_input(n);
+    __nv_bfloat16* x;
+    uint8_t *q, *qt, *tmp;
+    float *sr, *sc, *scale, *sinv, *amax;
+    CK(cudaMalloc(&x, n * 2));
+    CK(cudaMalloc(&q, n));
+    CK(cudaMalloc(&qt, n));
+    CK(cudaMalloc(&tmp, n * 2));
+    CK(cudaMalloc(&sr, n / 8));
+    CK(cudaMalloc(&sc, n / 8));
+    CK(cudaMalloc(&scale, 4));
+    CK(cudaMalloc(&sinv, 4));
+    CK(cudaMalloc(&amax, 4));
+    CK(cudaMemcpy(x, h.data(), n * 2, cudaMemcpyHostToDevice));
+    const float one = 1.0f;
+    CK(cudaMemcpy(scale, &one, 4, cudaMemcpyHostToDevice));
+    std::printf("%llu x %llu bf16\n", (unsigned long long)M, (unsigned long long)K);
+    const float ms_copy = time_ms([&] { CK(cudaMemcpyAsync(tmp, x, n * 2, cudaMemcpyDeviceToDevice)); });
+    copy_gbs = 4.0 * n / ms_copy / 1e6;
+    std::printf("%-40s %8.4f ms %8.1f GB/s\n", "cudaMemcpy d2d", ms_copy, copy_gbs);
+    const double in = 2.0 * n;
+    auto clear = [&] {
+        CK(cudaMemset(q, 0x5A, n));
+        CK(cudaMemset(qt, 0x5A, n));
+        CK(cudaMemset(sr, 0, n / 8));
+        CK(cudaMemset(sc, 0, n / 8));
+    };
+    const unsigned tiles = (unsigned)(((M + 127) / 128) * ((K + 127) / 128));
+    const size_t stage = 128 * 128 * 2;
+    {
+        auto* k1 = block_pipe<__nv_bfloat16, true, false>;
+        auto* k2 = block_pipe<__nv_bfloat16, true, true>;
+        auto* k3 = cast_transpose_pipe<__nv_bfloat16, true>;
+        CK(cudaFuncSetAttribute(k1, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage));
+        CK(cudaFuncSetAttribute(k2, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage));
+        CK(cudaFuncSetAttribute(k3, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage));
+    }
+
+    for (int rep = 0; rep < 2; ++rep) {
+        // FP8 block scaling: (1x128 both), (128x128 rowwise), (128x128 both); tiles, then pipelined.
+        for (int mode = 0; mode < 3; ++mode) {
+            const bool two_d = mode > 0, both = mode != 1;
+            for (int pipe = 0; pipe < 2; ++pipe) {
+                clear();
+                const u64 src = two_d ? (K + 127) / 128 : M, scc = two_d ? (M + 127) / 128 : K;
+                uint8_t* qc = both ? qt : nullptr;
+                float* scp = both ? sc : nullptr;
+                float ms;
+                if (pipe) {
+                    auto kern = two_d ? block_pipe<__nv_bfloat16, true, true> : block_pipe<__nv_bfloat16, true, false>;
+                    const unsigned grid = persistent_grid(kern, stage, tiles);
+                    if (rep == 0 && mode == 0) std::printf("persistent grid %u CTAs for %u tiles\n", grid, tiles);
+                    ms = time_ms([&] {
+                        kern<<<grid, 256, stage>>>(x, M, K, 448.0f, 1, 0.0f, 3.4e38f, q, sr, src, qc, scp, scc);
+                    });
+                } else {
+                    auto kern = two_d ? tessera_fp8_block_2d_bf16_e4m3 : tessera_fp8_block_1d_bf16_e4m3;
+                    ms = time_ms([&] {
+                        kern<<<tiles, 256>>>(x, M, K, 448.0f, 1, 0.0f, 3.4e38f, two_d, q, sr, src, qc, scp, scc);
+                    });
+                }
+                const double sb = two_d ? ((M + 127) / 128) * ((K + 127) / 128) * 4.0 : (double)M * ((K + 127) / 128) * 4.0;
+                const double sbc = two_d ? sb : (double)K * ((M + 127) / 128) * 4.0;
+                char name[64];
+                std::snprintf(name, sizeof name, "fp8 block %s %s, %s", two_d ? "128x128" : "1x128",
+                              both ? "both" : "rowwise", pipe ? "pipelined" : "tiles");
+                report(name, ms, in + n + sb + (both ? n + sbc : 0),
+                       {{q, n}, {sr, (size_t)sb}, {qt, both ? n : 0}, {sc, both ? (size_t)sbc : 0}});
+            }
+        }
+        // Cast-transpose with a given scale (delayed scaling), with the amax.
+        const Fp8Scale del{scale, nullptr, 448.0f, 0.0f, 0, 0};
+        for (int pipe = 0; pipe < 2; ++pipe) {
+            clear();
+            CK(cudaMemset(amax, 0, 4));
+            float ms;
+            if (pipe) {
+                auto kern = cast_transpose_pipe<__nv_bfloat16, true>;
+                const unsigned grid = persistent_grid(kern, stage, tiles);
+                ms = time_ms([&] { kern<<<grid, 256, stage>>>(x, q, qt, M, K, del, sinv, amax); });
+            } else {
+                ms = time_ms([&] { tessera_fp8_cast_transpose_bf16_e4m3<<<tiles, 256>>>(x, q, qt, M, K, del, sinv, amax); });
+            }
+            report(pipe ? "fp8 cast both + amax, pipelined" : "fp8 cast both + amax, tiles", ms, in + 2.0 * n,
+                   {{q, n}, {qt, n}, {amax, 4}});
+        }
+    }
+    return 0;
+}
