@@ -223,7 +223,7 @@ impl Recompute for MlpCall<'_> {
     fn replay_states(&mut self) -> Vec<&mut dyn Replay> {
         let mut states: Vec<&mut dyn Replay> = vec![&mut *self.tracker];
         if self.mlp.replay_delayed {
-            states.push(self.mlp.delayed.state_mut());
+            states.push(&mut self.mlp.delayed);
         }
         states
     }

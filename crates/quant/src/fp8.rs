@@ -398,6 +398,94 @@ impl Replay for DelayedScalingState {
     }
 }
 
+const QUANTIZER_KIND: &str = "Fp8DelayedScaling";
+
+/// What [`Fp8DelayedScaling`]'s snapshot holds: the state where it was.
+enum DelayedSnapshot {
+    /// The host state and the device buffer of amaxes not yet recorded into it (shared
+    /// copy-on-write: the quantizer's later casts write a copy of their own).
+    Host {
+        state: DelayedScalingState,
+        pending: Option<Tensor>,
+    },
+    /// A device-side copy of the buffers of a state held on a device.
+    #[cfg(feature = "cuda")]
+    Device(crate::cuda::fp8::DelayedState),
+    /// The device copy could not be made; restoring returns this.
+    #[cfg(feature = "cuda")]
+    Failed(Error),
+}
+
+/// The quantizer's history and scale, wherever they are: the snapshot of a state held
+/// on a device is a copy queued on that device (TE clones its recompute meta tensors on
+/// the device too), so neither taking nor restoring it waits for the device, and
+/// restoring writes the quantizer's own buffers in place (graphs captured with them stay
+/// valid). Restoring puts the state back where the snapshot found it: a host snapshot
+/// leaves a device-held state on the host; a device snapshot moves the state back into
+/// the buffers it was copied from. A checkpoint frame registers the quantizer itself:
+/// `Recompute::replay_states` returns `&mut quantizer`.
+impl Replay for Fp8DelayedScaling {
+    fn snapshot(&self) -> Snapshot {
+        #[cfg(feature = "cuda")]
+        if self.device.resident {
+            let held = self.device.held.as_ref().expect("a resident state is held");
+            let snap = match held.duplicate() {
+                Ok(d) => DelayedSnapshot::Device(d),
+                Err(e) => DelayedSnapshot::Failed(e),
+            };
+            return Snapshot::new(QUANTIZER_KIND, snap);
+        }
+        Snapshot::new(
+            QUANTIZER_KIND,
+            DelayedSnapshot::Host {
+                state: self.state.clone(),
+                pending: self.device.pending.clone(),
+            },
+        )
+    }
+
+    fn restore(&mut self, snapshot: &Snapshot) -> Result<()> {
+        match snapshot.get::<DelayedSnapshot>(QUANTIZER_KIND)? {
+            #[cfg(feature = "cuda")]
+            DelayedSnapshot::Failed(e) => return Err(e.clone()),
+            DelayedSnapshot::Host { state, pending } => {
+                if state.history().len() != self.state.history().len() {
+                    return Err(Error::invalid(
+                        "Fp8DelayedScaling::restore",
+                        format!(
+                            "the snapshot holds a history of {} slots; this quantizer's has {}",
+                            state.history().len(),
+                            self.state.history().len()
+                        ),
+                    ));
+                }
+                self.state = state.clone();
+                self.device.pending = pending.clone();
+                self.device.resident = false;
+            }
+            #[cfg(feature = "cuda")]
+            DelayedSnapshot::Device(snap) => {
+                let Some(held) = self.device.held.as_mut().filter(|h| h.matches(snap)) else {
+                    return Err(Error::state(
+                        "Fp8DelayedScaling::restore",
+                        format!(
+                            "the snapshot is of a state held on {}; this quantizer holds no \
+                             buffers of that device and history length (restore a snapshot \
+                             into the quantizer it was taken from)",
+                            snap.device()
+                        ),
+                    ));
+                };
+                held.copy_from(snap)?;
+                self.device.pending = None;
+                self.device.resident = true;
+            }
+        }
+        self.device.observed = OnceLock::new();
+        Ok(())
+    }
+}
+
 /// FP8 delayed scaling (TE's `Float8Quantizer` under the `DelayedScaling` recipe): casts
 /// with the scale derived from earlier amaxes, and records this tensor's amax into the
 /// history; [`update`](Self::update) then computes the next scale.
@@ -592,9 +680,10 @@ impl Fp8DelayedScaling {
         }
     }
 
-    /// The history and scale, for `Replay` registration. Brings the state back to the
-    /// host, recording the amaxes of earlier casts of CUDA tensors first, as
-    /// [`state`](Self::state) does.
+    /// The history and scale, to change by hand. Brings the state back to the host,
+    /// recording the amaxes of earlier casts of CUDA tensors first, as
+    /// [`state`](Self::state) does (so it waits for the device). For replay, register
+    /// the quantizer itself: its snapshots stay where the state is and never wait.
     pub fn state_mut(&mut self) -> &mut DelayedScalingState {
         self.settle();
         &mut self.state

@@ -26,6 +26,9 @@
 //! [`Fp8DelayedScaling::to_device`] moves them to the device; then its casts and
 //! [`Fp8DelayedScaling::update_on_device`] (the fused amax-and-scale update as one
 //! kernel) capture too, and each replay casts with the scale the previous one computed.
+//! The quantizer is a `tessera_core::Replay` state for activation checkpointing; the
+//! snapshot of a device-held state is a copy on the device, so checkpoint frames never
+//! wait for it.
 //!
 //! The CPU reference is built from small public functions per step (casts in [`cast`],
 //! amax and scales in [`scale`], layouts in [`layout`], and each format's block

@@ -6,7 +6,7 @@
 use half::{bf16, f16};
 use std::collections::BTreeMap;
 use tessera_core::cuda::is_available;
-use tessera_core::{DType, Device, Tensor};
+use tessera_core::{DType, Device, Replay, Tensor};
 
 use tessera_quant::{
     BlockDim, BufferName, Fp8BlockQuantizer, Fp8CurrentScaling, Fp8DelayedScaling, Fp8Format,
@@ -457,7 +457,6 @@ fn assert_same_state(gpu: &Fp8DelayedScaling, cpu: &Fp8DelayedScaling, what: &st
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn fp8_delayed_scaling_steps_match_the_cpu() {
-    use tessera_core::Replay;
     use tessera_quant::AmaxComputeAlgo;
     require_gpu();
     let shapes: &[&[usize]] = &[
@@ -806,7 +805,9 @@ fn fp8_delayed_scaling_bulk_update_matches_the_cpu() {
 /// the state on the device, replayed on new inputs: after every replay the outputs and
 /// the history and scale match the same steps on the CPU, bit for bit (so each replay
 /// cast with the scale the previous replay's update computed). Midway the state goes to
-/// the host and back, into the same buffers, and the graph goes on.
+/// the host and back, into the same buffers, and the graph goes on; later a snapshot
+/// taken before replay 5 is restored after replay 6 (in place), and the graph goes on
+/// from it.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn fp8_delayed_scaling_steps_replay_in_a_cuda_graph() {
@@ -836,7 +837,11 @@ fn fp8_delayed_scaling_steps_replay_in_a_cuda_graph() {
         qg.update_on_device()
     })
     .unwrap();
+    let mut snaps = None;
     for replay in 0..8u64 {
+        if replay == 5 {
+            snaps = Some((qg.snapshot(), qc.snapshot()));
+        }
         let hosts: Vec<Tensor> = shapes
             .iter()
             .zip(0u64..)
@@ -865,7 +870,103 @@ fn fp8_delayed_scaling_steps_replay_in_a_cuda_graph() {
             qg.state_mut();
             qg.to_device(GPU).unwrap();
         }
+        if replay == 6 {
+            // Back to the state before replay 5: the device snapshot is restored into
+            // the buffers the graph writes, so replay 7 goes on from it.
+            let (sg, sc) = snaps.take().unwrap();
+            qg.restore(&sg).unwrap();
+            qc.restore(&sc).unwrap();
+            assert_eq!(qg.state_device(), Some(GPU));
+            assert_eq!(
+                state_bits(&qg.fetch_state().unwrap()),
+                state_bits(qc.state()),
+                "restored after replay {replay}"
+            );
+        }
     }
+}
+
+/// The quantizer as a replay state (what a checkpoint frame registers) with CUDA casts:
+/// a snapshot taken with amaxes still on the device, one of a device-held state (a copy
+/// on the device), each restored after more casts and updates, and each restored into
+/// the quantizer with its state on the other side (a host snapshot brings the state
+/// home, a device snapshot moves it back into its buffers). After every restore the
+/// history and scale, and the next casts' bytes, match the CPU's restored twin.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn fp8_delayed_scaling_replays_its_state_on_either_side() {
+    require_gpu();
+    let dtype = DType::BF16;
+    let mk = || {
+        Fp8DelayedScaling::new(Fp8Format::E4M3, 4)
+            .unwrap()
+            .with_usage(Usage::Both)
+            .with_scale(0.25)
+            .unwrap()
+    };
+    let (mut qc, mut qg) = (mk(), mk());
+    let mut seed = 8500u64;
+    let mut casts = |qg: &mut Fp8DelayedScaling, qc: &mut Fp8DelayedScaling, what: &str| {
+        for call in 0..3 {
+            seed += 1;
+            let x = step_input(&[96, 160], dtype, seed, seed as usize % 7, call, false);
+            let (gpu, cpu) = cast_both(qg, qc, &x, call);
+            assert_same(&gpu, &cpu, &format!("{what} call {call}"));
+        }
+    };
+    let update = |qg: &mut Fp8DelayedScaling, qc: &mut Fp8DelayedScaling| {
+        qc.update(None);
+        match qg.state_device() {
+            Some(_) => qg.update_on_device().unwrap(),
+            None => qg.update(None),
+        }
+    };
+    // On the host, with amaxes pending on the device.
+    casts(&mut qg, &mut qc, "host");
+    let (host_g, host_c) = (qg.snapshot(), qc.snapshot());
+    casts(&mut qg, &mut qc, "host, after the snapshot");
+    update(&mut qg, &mut qc);
+    qg.restore(&host_g).unwrap();
+    qc.restore(&host_c).unwrap();
+    assert_same_state(&qg, &qc, "host snapshot restored");
+    casts(&mut qg, &mut qc, "host, restored");
+    update(&mut qg, &mut qc);
+    // On the device.
+    qg.to_device(GPU).unwrap();
+    casts(&mut qg, &mut qc, "device");
+    let (dev_g, dev_c) = (qg.snapshot(), qc.snapshot());
+    for round in 0..2 {
+        update(&mut qg, &mut qc);
+        casts(&mut qg, &mut qc, "device, after the snapshot");
+        update(&mut qg, &mut qc);
+        qg.restore(&dev_g).unwrap();
+        qc.restore(&dev_c).unwrap();
+        assert_eq!(qg.state_device(), Some(GPU), "round {round}");
+        assert_same_state(
+            &qg,
+            &qc,
+            &format!("device snapshot restored, round {round}"),
+        );
+        casts(&mut qg, &mut qc, "device, restored");
+    }
+    // Each snapshot into the other side.
+    qg.restore(&host_g).unwrap();
+    qc.restore(&host_c).unwrap();
+    assert_eq!(qg.state_device(), None);
+    assert_same_state(&qg, &qc, "host snapshot into a device-held state");
+    casts(&mut qg, &mut qc, "home again");
+    update(&mut qg, &mut qc);
+    qg.restore(&dev_g).unwrap();
+    qc.restore(&dev_c).unwrap();
+    assert_eq!(qg.state_device(), Some(GPU));
+    assert_same_state(&qg, &qc, "device snapshot into a host state");
+    casts(&mut qg, &mut qc, "on the device again");
+    update(&mut qg, &mut qc);
+    assert_same_state(&qg, &qc, "last update");
+    // A device snapshot belongs to its quantizer's buffers.
+    let mut fresh = mk();
+    let e = fresh.restore(&dev_g).unwrap_err();
+    assert!(e.to_string().contains("restore a snapshot"), "{e}");
 }
 
 #[test]

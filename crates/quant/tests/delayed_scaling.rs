@@ -271,6 +271,64 @@ fn snapshots_restore_the_history_and_scale() {
     r.restore(&s2).unwrap();
 }
 
+/// The quantizer itself is a replay state (what a checkpoint frame registers): its
+/// snapshot restores the history and scale the casts and updates changed since, twice
+/// over, and refuses snapshots of other kinds and of other history lengths, leaving the
+/// state alone.
+#[test]
+fn the_quantizer_replays_its_state() {
+    let mut q = Fp8DelayedScaling::new(Fp8Format::E5M2, 3).unwrap();
+    let x = Tensor::from_slice(&[3.0f32, -9.0, 0.25], [3], Device::Cpu).unwrap();
+    q.quantize(&x).unwrap();
+    q.update(None);
+    let snap = q.snapshot();
+    assert_eq!(snap.kind(), "Fp8DelayedScaling");
+    let saved = q.state().clone();
+    assert_eq!(saved.history(), &[0.0, 0.0, 9.0]);
+    let cast_then = q.quantize(&x).unwrap();
+    for _ in 0..2 {
+        q.quantize(&(Tensor::from_slice(&[100.0f32], [1], Device::Cpu).unwrap()))
+            .unwrap();
+        q.update(Some(200.0));
+        assert_ne!(q.state(), &saved);
+        q.restore(&snap).unwrap();
+        assert_eq!(q.state(), &saved);
+        // The restored scale is the one the cast after the snapshot used.
+        let again = q.quantize(&x).unwrap();
+        assert_eq!(
+            again.buffer(BufferName::Data).unwrap().to_bytes().unwrap(),
+            cast_then
+                .buffer(BufferName::Data)
+                .unwrap()
+                .to_bytes()
+                .unwrap()
+        );
+        q.restore(&snap).unwrap();
+    }
+    // Snapshots of another kind, of the bare state and of another history length.
+    let now = q.state().clone();
+    for other in [
+        Generator::new(1).snapshot(),
+        q.state().snapshot(),
+        Fp8DelayedScaling::new(Fp8Format::E5M2, 4)
+            .unwrap()
+            .snapshot(),
+    ] {
+        assert!(q.restore(&other).is_err(), "{}", other.kind());
+        assert_eq!(q.state(), &now);
+    }
+    let e = q.restore(&Generator::new(1).snapshot()).unwrap_err();
+    assert!(matches!(e, Error::SnapshotMismatch { .. }), "{e:?}");
+    let e = q
+        .restore(
+            &Fp8DelayedScaling::new(Fp8Format::E5M2, 4)
+                .unwrap()
+                .snapshot(),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("4 slots"), "{e}");
+}
+
 /// While the state is on the host, the device-side calls say so instead of acting:
 /// `update_on_device` is a typed error naming `to_device`, there is no device slot 0,
 /// `fetch_state` is the host state, and a CPU "device" is refused. Without a GPU (CI),

@@ -389,7 +389,7 @@ impl SiteQuantizer {
 
     /// The delayed-scaling state as a replay state.
     pub(crate) fn replay_state(&mut self) -> Option<&mut dyn Replay> {
-        self.delayed_mut().map(|d| d.state_mut() as &mut dyn Replay)
+        self.delayed_mut().map(|d| d as &mut dyn Replay)
     }
 
     /// The newest amax a delayed site recorded this step (0 for other sites).

@@ -315,6 +315,44 @@ impl DelayedState {
         put(&mut self.scale, bytemuck::bytes_of(&state.scale()))
     }
 
+    /// A copy of the buffers in fresh device memory, queued on the device's stream:
+    /// nothing waits, and these buffers stay where they are (captured graphs keep
+    /// addressing them).
+    pub(crate) fn duplicate(&self) -> Result<DelayedState> {
+        let mut d = self.clone();
+        // Each clone shares its buffer with `self`; asking for it mutably copies it.
+        for t in [&mut d.slot0, &mut d.ring, &mut d.head, &mut d.scale] {
+            t.cuda_slice_mut()?;
+        }
+        Ok(d)
+    }
+
+    /// Copies what `other` (a [`duplicate`](Self::duplicate) of buffers of this device
+    /// and history length) holds into these buffers in place, queued on the device's
+    /// stream.
+    pub(crate) fn copy_from(&mut self, other: &DelayedState) -> Result<()> {
+        const OP: &str = "Fp8DelayedScaling::restore";
+        debug_assert!(self.device() == other.device() && self.len == other.len);
+        let dev = device_of(&self.slot0)?;
+        let stream = dev.stream();
+        for (dst, src) in [
+            (&mut self.slot0, &other.slot0),
+            (&mut self.ring, &other.ring),
+            (&mut self.head, &other.head),
+            (&mut self.scale, &other.scale),
+        ] {
+            stream
+                .memcpy_dtod(src.cuda_slice()?, dst.cuda_slice_mut()?)
+                .cuda_op(OP)?;
+        }
+        Ok(())
+    }
+
+    /// Whether `other` has buffers of this device and history length.
+    pub(crate) fn matches(&self, other: &DelayedState) -> bool {
+        self.device() == other.device() && self.len == other.len
+    }
+
     /// The state the buffers hold (waits for the device).
     pub(crate) fn read(&self) -> Result<DelayedScalingState> {
         let slot0 = self.slot0.to_vec::<f32>()?[0];
