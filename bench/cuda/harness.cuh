@@ -100,3 +100,26 @@ static void report_hashes(const char* name, float ms, double bytes, double copy_
     for (auto& o : outs) std::printf(" %016llx", (unsigned long long)fnv(o.first, o.second));
     std::printf("\n");
 }
+
+// The FP8 harnesses' device buffers for an n-element bf16 input (filled from `h`): the
+// input and a same-size scratch (for the copy), rowwise and transposed bytes, scale
+// grids of n / 32 floats each, and a scale (set to `scale_value`), its inverse and an
+// amax, one float each. Freed at exit.
+struct Fp8Buffers {
+    __nv_bfloat16* x;
+    uint8_t *q, *qt, *tmp;
+    float *sr, *sc, *scale, *sinv, *amax;
+    Fp8Buffers(uint64_t n, const std::vector<uint16_t>& h, float scale_value) {
+        CK(cudaMalloc(&x, n * 2));
+        CK(cudaMalloc(&tmp, n * 2));
+        CK(cudaMalloc(&q, n));
+        CK(cudaMalloc(&qt, n));
+        CK(cudaMalloc(&sr, n / 8));
+        CK(cudaMalloc(&sc, n / 8));
+        CK(cudaMalloc(&scale, 4));
+        CK(cudaMalloc(&sinv, 4));
+        CK(cudaMalloc(&amax, 4));
+        CK(cudaMemcpy(x, h.data(), n * 2, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(scale, &scale_value, 4, cudaMemcpyHostToDevice));
+    }
+};

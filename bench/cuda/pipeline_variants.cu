@@ -115,21 +115,10 @@ template <class K> static unsigned persistent_grid(K kern, size_t smem, unsigned
 int main() {
     const u64 n = M * K;
     const std::vector<uint16_t> h = bf16_input(n);
-    __nv_bfloat16* x;
-    uint8_t *q, *qt, *tmp;
-    float *sr, *sc, *scale, *sinv, *amax;
-    CK(cudaMalloc(&x, n * 2));
-    CK(cudaMalloc(&q, n));
-    CK(cudaMalloc(&qt, n));
-    CK(cudaMalloc(&tmp, n * 2));
-    CK(cudaMalloc(&sr, n / 8));
-    CK(cudaMalloc(&sc, n / 8));
-    CK(cudaMalloc(&scale, 4));
-    CK(cudaMalloc(&sinv, 4));
-    CK(cudaMalloc(&amax, 4));
-    CK(cudaMemcpy(x, h.data(), n * 2, cudaMemcpyHostToDevice));
-    const float one = 1.0f;
-    CK(cudaMemcpy(scale, &one, 4, cudaMemcpyHostToDevice));
+    const Fp8Buffers b(n, h, 1.0f);
+    __nv_bfloat16* x = b.x;
+    uint8_t *q = b.q, *qt = b.qt, *tmp = b.tmp;
+    float *sr = b.sr, *sc = b.sc, *scale = b.scale, *sinv = b.sinv, *amax = b.amax;
     std::printf("%llu x %llu bf16\n", (unsigned long long)M, (unsigned long long)K);
     const float ms_copy = time_ms([&] { CK(cudaMemcpyAsync(tmp, x, n * 2, cudaMemcpyDeviceToDevice)); });
     copy_gbs = 4.0 * n / ms_copy / 1e6;

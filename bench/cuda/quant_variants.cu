@@ -41,21 +41,10 @@ static void report(const char* name, float ms, double bytes, std::vector<std::pa
 int main() {
     const u64 n = M * K;
     const std::vector<uint16_t> h = bf16_input(n);
-    __nv_bfloat16* x;
-    uint8_t *q, *qt, *tmp;
-    float *sr, *sc, *scale, *sinv, *amax;
-    CK(cudaMalloc(&x, n * 2));
-    CK(cudaMalloc(&tmp, n * 2));
-    CK(cudaMalloc(&q, n));
-    CK(cudaMalloc(&qt, n));
-    CK(cudaMalloc(&sr, n / 8));
-    CK(cudaMalloc(&sc, n / 8));
-    CK(cudaMalloc(&scale, 4));
-    CK(cudaMalloc(&sinv, 4));
-    CK(cudaMalloc(&amax, 4));
-    CK(cudaMemcpy(x, h.data(), n * 2, cudaMemcpyHostToDevice));
-    const float sv = 3.0f;
-    CK(cudaMemcpy(scale, &sv, 4, cudaMemcpyHostToDevice));
+    const Fp8Buffers b(n, h, 3.0f);
+    __nv_bfloat16* x = b.x;
+    uint8_t *q = b.q, *qt = b.qt, *tmp = b.tmp;
+    float *sr = b.sr, *sc = b.sc, *scale = b.scale, *sinv = b.sinv, *amax = b.amax;
     int dev;
     CK(cudaGetDevice(&dev));
     cudaDeviceProp p;
