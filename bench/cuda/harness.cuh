@@ -106,10 +106,11 @@ static void report_hashes(const char* name, float ms, double bytes, double copy_
 // grids of n / 32 floats each, and a scale (set to `scale_value`), its inverse and an
 // amax, one float each. Freed at exit.
 struct Fp8Buffers {
+    uint64_t n;
     __nv_bfloat16* x;
     uint8_t *q, *qt, *tmp;
     float *sr, *sc, *scale, *sinv, *amax;
-    Fp8Buffers(uint64_t n, const std::vector<uint16_t>& h, float scale_value) {
+    Fp8Buffers(uint64_t n, const std::vector<uint16_t>& h, float scale_value) : n(n) {
         CK(cudaMalloc(&x, n * 2));
         CK(cudaMalloc(&tmp, n * 2));
         CK(cudaMalloc(&q, n));
@@ -121,5 +122,21 @@ struct Fp8Buffers {
         CK(cudaMalloc(&amax, 4));
         CK(cudaMemcpy(x, h.data(), n * 2, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(scale, &scale_value, 4, cudaMemcpyHostToDevice));
+    }
+    // Times a device-to-device copy of the input, prints it and returns its GB/s (bytes
+    // read + written), the harnesses' yardstick.
+    double time_copy() const {
+        const float ms = time_ms([&] { CK(cudaMemcpyAsync(tmp, x, n * 2, cudaMemcpyDeviceToDevice)); });
+        const double gbs = 4.0 * n / ms / 1e6;
+        std::printf("%-40s %8.4f ms %8.1f GB/s\n", "cudaMemcpy d2d", ms, gbs);
+        return gbs;
+    }
+    // Poisons the data outputs (an unwritten byte changes the hash) and zeroes the scale
+    // grids (the harnesses' shapes have no padding).
+    void clear() const {
+        CK(cudaMemset(q, 0x5A, n));
+        CK(cudaMemset(qt, 0x5A, n));
+        CK(cudaMemset(sr, 0, n / 8));
+        CK(cudaMemset(sc, 0, n / 8));
     }
 };

@@ -43,7 +43,7 @@ int main() {
     const std::vector<uint16_t> h = bf16_input(n);
     const Fp8Buffers b(n, h, 3.0f);
     __nv_bfloat16* x = b.x;
-    uint8_t *q = b.q, *qt = b.qt, *tmp = b.tmp;
+    uint8_t *q = b.q, *qt = b.qt;
     float *sr = b.sr, *sc = b.sc, *scale = b.scale, *sinv = b.sinv, *amax = b.amax;
     int dev;
     CK(cudaGetDevice(&dev));
@@ -56,16 +56,9 @@ int main() {
                 p.multiProcessorCount, TQ_MINB_TILE, TQ_MINB_BLOCK_ROW, TQ_MINB_BLOCK_1D, TQ_MINB_BLOCK_2D,
                 TQ_MINB_MXFP8);
 #endif
-    const float ms_copy = time_ms([&] { CK(cudaMemcpyAsync(tmp, x, n * 2, cudaMemcpyDeviceToDevice)); });
-    copy_gbs = 4.0 * n / ms_copy / 1e6;
-    std::printf("%-34s %8.4f ms %8.1f GB/s\n", "cudaMemcpy d2d", ms_copy, copy_gbs);
+    copy_gbs = b.time_copy();
     const double in = 2.0 * n;
-    auto clear = [&] {  // data poisoned, scales zero (no padding at this shape)
-        CK(cudaMemset(q, 0x5A, n));
-        CK(cudaMemset(qt, 0x5A, n));
-        CK(cudaMemset(sr, 0, n / 8));
-        CK(cudaMemset(sc, 0, n / 8));
-    };
+    auto clear = [&] { b.clear(); };
 
     // FP8 block scaling.
 #ifdef OLD_KERNELS

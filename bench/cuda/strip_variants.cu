@@ -371,19 +371,12 @@ int main() {
     const std::vector<uint16_t> h = bf16_input(n);
     const Fp8Buffers b(n, h, 1.0f);
     __nv_bfloat16* x = b.x;
-    uint8_t *q = b.q, *qt = b.qt, *tmp = b.tmp;
+    uint8_t *q = b.q, *qt = b.qt;
     float *sr = b.sr, *sc = b.sc, *scale = b.scale, *sinv = b.sinv, *amax = b.amax;
     std::printf("%llu x %llu bf16, TQ_MINB_STRIP %d\n", (unsigned long long)M, (unsigned long long)K, TQ_MINB_STRIP);
-    const float ms_copy = time_ms([&] { CK(cudaMemcpyAsync(tmp, x, n * 2, cudaMemcpyDeviceToDevice)); });
-    copy_gbs = 4.0 * n / ms_copy / 1e6;
-    std::printf("%-40s %8.4f ms %8.1f GB/s\n", "cudaMemcpy d2d", ms_copy, copy_gbs);
+    copy_gbs = b.time_copy();
     const double in = 2.0 * n;
-    auto clear = [&] {
-        CK(cudaMemset(q, 0x5A, n));
-        CK(cudaMemset(qt, 0x5A, n));
-        CK(cudaMemset(sr, 0, n / 8));
-        CK(cudaMemset(sc, 0, n / 8));
-    };
+    auto clear = [&] { b.clear(); };
     const unsigned tiles = (unsigned)((M / 128) * (K / 128)), strips = (unsigned)((M / 32) * (K / 128));
 
     // FP8 block scaling: (1x128 both), (128x128 rowwise), (128x128 both); tile then strip.
