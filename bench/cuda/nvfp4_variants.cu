@@ -29,13 +29,6 @@ __global__ void __launch_bounds__(256, MINB) both_var(const __nv_bfloat16* __res
     nvfp4_both_impl<__nv_bfloat16>(x, a);
 }
 
-// The both kernel with its fast path fused (each value converted once, encoded for both
-// orientations in one loop).
-template <int MINB>
-__global__ void __launch_bounds__(256, MINB) both_fused(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
-    nvfp4_both_impl<__nv_bfloat16, false, false, true>(x, a);
-}
-
 // The RHT + stochastic-rounding both kernel for MINB CTAs per SM (it ships with
 // NVFP4_RS_MINB).
 template <int MINB>
@@ -111,7 +104,7 @@ __device__ void nvfp4_both_pipe_impl(const T* __restrict__ x, const Nvfp4Args a)
         BothTile<T> d;
 #pragma unroll
         for (int i = 0; i < 8; ++i) d.u[i][0] = buf[((it & 1) * 8 + i) * 256 + threadIdx.x];
-        both_tile<T, false>(d, l, R0, C0, valid, a, sh);
+        both_tile<T>(d, l, R0, C0, valid, a, sh);
     }
 }
 
@@ -174,7 +167,7 @@ __device__ void nvfp4_both_bulk_impl(const T* __restrict__ x, const Nvfp4Args a)
         __syncthreads();  // every lane holds its tile: the stage may be refilled
         if (t == 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         if (i + gridDim.x < tiles) issue(i + gridDim.x);
-        both_tile<T, false>(d, l, R0, C0, valid, a, sh);
+        both_tile<T>(d, l, R0, C0, valid, a, sh);
     }
 }
 
@@ -235,7 +228,7 @@ __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) both_multi(const __nv_bf
             both_tables(sh, a);
             first = false;
         }
-        both_tile<T, false>(d, l, R0, C0, valid, a, sh);
+        both_tile<T>(d, l, R0, C0, valid, a, sh);
     }
 }
 
@@ -353,8 +346,6 @@ static void run_shape(u64 M, u64 K, int normal) {
                 both_run(tessera_nvfp4_both_bf16, "both shipped (NVFP4_BOTH_MINB CTAs/SM)");
                 both_run(both_var<4>, "both warp 32x64, 4 CTAs/SM");
                 both_run(both_var<5>, "both warp 32x64, 5 CTAs/SM");
-                both_run(both_fused<4>, "both fused fast path, 4 CTAs/SM");
-                both_run(both_fused<3>, "both fused fast path, 3 CTAs/SM");
                 auto multi_run = [&](auto kernel, unsigned nt, const char* label) {
                     if (h % nt != 0) return;
                     clear();

@@ -451,29 +451,22 @@ __device__ __forceinline__ void col_signs(const uint32_t* c, uint32_t& lo, uint3
     hi = sign_nibbles(prmt(s02, s46, 0x7632u), prmt(s13, s57, 0x7632u));
 }
 
-// The E2M1 magnitude of v g plus 0x4B000000 when |v g| < 7 and it is not NaN:
-// e2m1_biased without its saturation term (the a/2 + 4 line stays at or below 7 there),
-// the minimum taken on the float bits as unsigned integers (they order alike: all in
-// [2^23, 2^24)), one 3-input min.
-__device__ __forceinline__ uint32_t e2m1_magnitude_biased(float v, float g) {
-    const float k = 8388608.0f;  // 2^23
-    const float a = fabsf(__fmul_rn(v, g));
-    const uint32_t f0 = __float_as_uint(__fmaf_rn(a, 2.0f, k));
-    const uint32_t f1 = __float_as_uint(__fadd_rn(a, k + 2.0f));
-    const uint32_t f2 = __float_as_uint(__fmaf_rn(a, 0.5f, k + 4.0f));
-    return min(min(f0, f1), f2);
-}
-
-// What 8 biased magnitudes summed shifted (element j's << 4j) carry beyond their codes.
-constexpr uint32_t E2M1X8_BIAS = 0x4B000000u * 0x11111111u;
-
-// 8 values times g to their E2M1 magnitudes, element j in bits 4j .. 4j+2 (with
-// e2m1_magnitude_biased's bounds).
+// 8 values times g to their E2M1 magnitudes (element j in bits 4j .. 4j+2) when every
+// |v g| < 7 and none is NaN: e2m1_biased without its saturation term (the a/2 + 4 line
+// stays at or below 7 there), the minimum taken on the float bits as unsigned integers
+// (they order alike: all in [2^23, 2^24)), one 3-input min each.
 __device__ __forceinline__ uint32_t e2m1x8_magnitudes(const float* v, float g) {
+    const float k = 8388608.0f;  // 2^23
     uint32_t w = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) w += e2m1_magnitude_biased(v[j], g) << (4 * j);
-    return w - E2M1X8_BIAS;
+    for (int j = 0; j < 8; ++j) {
+        const float a = fabsf(__fmul_rn(v[j], g));
+        const uint32_t f0 = __float_as_uint(__fmaf_rn(a, 2.0f, k));
+        const uint32_t f1 = __float_as_uint(__fadd_rn(a, k + 2.0f));
+        const uint32_t f2 = __float_as_uint(__fmaf_rn(a, 0.5f, k + 4.0f));
+        w += min(min(f0, f1), f2) << (4 * j);
+    }
+    return w - 0x4B000000u * 0x11111111u;
 }
 
 // Per block-scale byte e: the encode scale g = block_encode_scale(e, s_dec), and lim, the
@@ -557,7 +550,7 @@ __device__ __forceinline__ void both_tables(BothShared& sh, const Nvfp4Args& a) 
 // Quantizes the 128x128 tile at (R0, C0) of 2-byte inputs, the lane's values in d (zeros
 // when !valid), with the tables filled; synchronises the CTA twice (before its first
 // write to sh.stage, and before the flush).
-template <class T, bool Fused>
+template <class T>
 __device__ __forceinline__ void both_tile(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
                                           const Nvfp4Args& a, BothShared& sh) {
     const int cg = l.cg, g = l.g, rt = l.rt, ct = l.ct;
@@ -628,34 +621,6 @@ __device__ __forceinline__ void both_tile(const BothTile<T>& d, const BothLane& 
         scales(rm, 0, cg & 1, 1, rgs, &stage.row[rt + 4 * (cg & 1)][ct / 16], sizeof stage.row[0]);
     if (!__all_sync(0xFFFFFFFFu, fast)) {
         nvfp4_both_general<T>(d, r0, col, valid, a, put_row, put_col);
-    } else if (Fused && valid && a.q_col != nullptr && a.q_row != nullptr) {
-        // Each value converted once and encoded for both orientations: row i's word is
-        // finished (and stored) after its 8 values, column j's word C[j] collects nibble
-        // i from every row and starts as the column's sign nibbles, which the biased sums
-        // leave intact (a magnitude fills bits 0-2 of its nibble, the sign bit 3).
-        uint32_t C[8];
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            uint32_t c[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) c[i] = d.w[i][p];
-            col_signs(c, C[2 * p], C[2 * p + 1]);
-        }
-        uint8_t* qr = a.q_row + r0 * (a.k / 2) + col / 2;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            uint32_t R = row_signs(d.w[i]);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float v = j % 2 ? hi_f32<T>(d.w[i][j / 2]) : lo_f32<T>(d.w[i][j / 2]);
-                R += e2m1_magnitude_biased(v, rgs[i]) << (4 * j);
-                C[j] += e2m1_magnitude_biased(v, cgs[j]) << (4 * i);
-            }
-            *reinterpret_cast<uint32_t*>(qr + i * (a.k / 2)) = R - E2M1X8_BIAS;
-        }
-        uint8_t* qc = a.q_col + col * (a.m / 2) + r0 / 2;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) *reinterpret_cast<uint32_t*>(qc + j * (a.m / 2)) = C[j] - E2M1X8_BIAS;
     } else if (valid) {
         if (a.q_col != nullptr) {
             uint8_t* q = a.q_col + col * (a.m / 2) + r0 / 2;
@@ -887,10 +852,7 @@ __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLan
 
 // The both kernel: round to nearest without the RHT (Rht = Sr = false; f32 inputs too),
 // or, for 2-byte inputs, both_tile_rs's recipes.
-#ifndef NVFP4_BOTH_FUSED
-#define NVFP4_BOTH_FUSED 0
-#endif
-template <class T, bool Rht = false, bool Sr = false, bool Fused = NVFP4_BOTH_FUSED>
+template <class T, bool Rht = false, bool Sr = false>
 __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
     copy_amax(a);
     const BothLane l;
@@ -929,7 +891,7 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
         __shared__ BothShared sh;
         both_tables(sh, a);
         if constexpr (Rht || Sr) both_tile_rs<T, Rht, Sr>(d, l, R0, C0, valid, a, sh);
-        else both_tile<T, Fused>(d, l, R0, C0, valid, a, sh);
+        else both_tile<T>(d, l, R0, C0, valid, a, sh);
     }
 }
 
