@@ -332,7 +332,7 @@ impl DelayedState {
     /// stream.
     pub(crate) fn copy_from(&mut self, other: &DelayedState) -> Result<()> {
         const OP: &str = "Fp8DelayedScaling::restore";
-        debug_assert!(self.device() == other.device() && self.len == other.len);
+        debug_assert!(self.matches(other));
         let dev = device_of(&self.slot0)?;
         let stream = dev.stream();
         for (dst, src) in [
