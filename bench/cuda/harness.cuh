@@ -101,12 +101,32 @@ static void report_hashes(const char* name, float ms, double bytes, double copy_
     std::printf("\n");
 }
 
+// A dimension from the environment variable `name`, else `fallback`.
+static uint64_t env_dim(const char* name, uint64_t fallback) {
+    const char* v = std::getenv(name);
+    return v != nullptr ? std::strtoull(v, nullptr, 10) : fallback;
+}
+
+// The grid of a persistent kernel of 256-thread CTAs with `smem` bytes of dynamic shared
+// memory (its limit raised to that first): every CTA that fits at once, at most one per
+// tile, and at most QV_CTAS per SM when that is set. The CTAs per SM go to *per_sm_out.
+template <class K> static unsigned persistent_grid(K kern, size_t smem, uint64_t tiles, int* per_sm_out = nullptr) {
+    CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    int per_sm = 0, sms = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, 256, smem));
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    if (std::getenv("QV_CTAS")) per_sm = std::min(per_sm, std::atoi(std::getenv("QV_CTAS")));
+    if (per_sm_out != nullptr) *per_sm_out = per_sm;
+    return (unsigned)std::min<uint64_t>(tiles, (uint64_t)per_sm * sms);
+}
+
 // The FP8 harnesses' device buffers for an n-element bf16 input (filled from `h`): the
 // input and a same-size scratch (for the copy), rowwise and transposed bytes, scale
 // grids of n / 32 floats each, and a scale (set to `scale_value`), its inverse and an
 // amax, one float each. Freed at exit.
 struct Fp8Buffers {
     uint64_t n;
+    double copy_gbs = 0;  // set by time_copy
     __nv_bfloat16* x;
     uint8_t *q, *qt, *tmp;
     float *sr, *sc, *scale, *sinv, *amax;
@@ -123,13 +143,16 @@ struct Fp8Buffers {
         CK(cudaMemcpy(x, h.data(), n * 2, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(scale, &scale_value, 4, cudaMemcpyHostToDevice));
     }
-    // Times a device-to-device copy of the input, prints it and returns its GB/s (bytes
-    // read + written), the harnesses' yardstick.
-    double time_copy() const {
+    // Times a device-to-device copy of the input and prints it; its GB/s (bytes read +
+    // written) become copy_gbs, the harnesses' yardstick.
+    void time_copy() {
         const float ms = time_ms([&] { CK(cudaMemcpyAsync(tmp, x, n * 2, cudaMemcpyDeviceToDevice)); });
-        const double gbs = 4.0 * n / ms / 1e6;
-        std::printf("%-40s %8.4f ms %8.1f GB/s\n", "cudaMemcpy d2d", ms, gbs);
-        return gbs;
+        copy_gbs = 4.0 * n / ms / 1e6;
+        std::printf("%-40s %8.4f ms %8.1f GB/s\n", "cudaMemcpy d2d", ms, copy_gbs);
+    }
+    // report_hashes against copy_gbs.
+    void report(const char* name, float ms, double bytes, const std::vector<std::pair<const void*, size_t>>& outs) const {
+        report_hashes(name, ms, bytes, copy_gbs, outs);
     }
     // Poisons the data outputs (an unwritten byte changes the hash) and zeroes the scale
     // grids (the harnesses' shapes have no padding).

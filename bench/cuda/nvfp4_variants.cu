@@ -117,14 +117,14 @@ extern "C" __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB)
 //
 // As the cp.async pipeline above, but the next tile arrives through 128 bulk
 // asynchronous copies (one per row, one instruction for each of threads 0-127, completing
-// on an mbarrier) into one 32 KiB stage, issued once every lane holds the current tile
-// in registers: no per-lane copies, no registers held by the loads in flight. Edge tiles
-// load straight from global memory.
+// on an mbarrier) into one 32 KiB stage (bulk_stage), issued once every lane holds the
+// current tile in registers: no per-lane copies, no registers held by the loads in
+// flight. Edge tiles load straight from global memory.
 template <class T>
 __device__ void nvfp4_both_bulk_impl(const T* __restrict__ x, const Nvfp4Args a) {
     static_assert(sizeof(T) == 2, "the bulk kernel takes 2-byte inputs");
     constexpr uint32_t ROW = 128 * sizeof(T);
-    extern __shared__ __align__(128) uint8_t stage[];  // [128][ROW]
+    uint8_t* stage = bulk_stage();  // [128][ROW]
     __shared__ BothShared sh;
     __shared__ uint64_t bar;
     const BothLane l;
@@ -367,24 +367,18 @@ static void run_shape(u64 M, u64 K, int normal) {
                 // Persistent, cp.async-pipelined: resident CTAs only, 64 KiB of
                 // dynamic shared memory each.
                 const int pipe_smem = 2 * 8 * 256 * 16;
-                CK(cudaFuncSetAttribute(tessera_nvfp4_both_pipe_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        pipe_smem));
                 int per_sm = 0;
-                CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tessera_nvfp4_both_pipe_bf16, 256, pipe_smem));
-                int sms = 0;
-                CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-                const unsigned pipe_grid = (unsigned)std::min<u64>((u64)per_sm * sms, (u64)grid.x * grid.y);
+                const unsigned pipe_grid =
+                    persistent_grid(tessera_nvfp4_both_pipe_bf16, pipe_smem, (u64)grid.x * grid.y, &per_sm);
                 clear();
                 const float tpk = time_ms([&] { tessera_nvfp4_both_pipe_bf16<<<pipe_grid, 256, pipe_smem>>>(x, a); });
                 std::snprintf(name, sizeof name, "both pipelined (%d CTAs/SM)%s", per_sm, swz ? " swz" : "");
                 report(name, tpk);
                 // Persistent with bulk copies: 32 KiB of dynamic shared memory a CTA.
                 auto bulk_run = [&](auto kernel, const char* label) {
-                    const int smem = 128 * 256;
-                    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+                    const int smem = 128 * 256 + BULK_STAGE_SLACK;
                     int per = 0;
-                    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, 256, smem));
-                    const unsigned g = (unsigned)std::min<u64>((u64)per * sms, (u64)grid.x * grid.y);
+                    const unsigned g = persistent_grid(kernel, smem, (u64)grid.x * grid.y, &per);
                     clear();
                     const float tb = time_ms([&] { kernel<<<g, 256, smem>>>(x, a); });
                     std::snprintf(name, sizeof name, "%s (%d CTAs/SM)%s", label, per, swz ? " swz" : "");

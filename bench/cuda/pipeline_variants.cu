@@ -12,7 +12,7 @@
 // threads: one instruction each, no registers held) before it quantizes the current one.
 // 2026-12-05 (H100): the first build stopped with CUDA_ERROR_MISALIGNED_ADDRESS; the
 // sanitizer showed 16-byte shared reads of a stage that started 8 bytes past a 16-byte
-// boundary (see `pipeline`). The realigned stage below compiles but has not been run.
+// boundary (bulk_stage in bulk.cuh now realigns it; that build compiles but has not run).
 #include <cstdio>
 #include <vector>
 
@@ -37,12 +37,7 @@ __device__ void pipeline(const T* __restrict__ x, u64 m, u64 k, Op op) {
     using Tl = Tile128<T>;
     constexpr int V = Tl::V;
     constexpr uint32_t ROW = 128 * sizeof(T);
-    // The dynamic shared memory starts where the kernel's static shared memory ends, which
-    // need not be 16-byte aligned whatever the extern declaration says (sanitizer, H100:
-    // a stage at 0x808): the stage is rounded up to 128 bytes inside a launch 128 bytes
-    // larger (main's `stage`).
-    extern __shared__ uint8_t smem_raw[];
-    uint8_t* stage = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 127) & ~(uintptr_t)127);
+    uint8_t* stage = bulk_stage();
     __shared__ uint64_t bar;
     const int t = threadIdx.x, rg = t >> 3, cg = t & 7;
     const u64 gy = (k + 127) / 128, gx = (m + 127) / 128;
@@ -102,46 +97,22 @@ __global__ void __launch_bounds__(256, PV_MINB)
     });
 }
 
-static const u64 M = std::getenv("QV_M") ? std::strtoull(std::getenv("QV_M"), nullptr, 10) : 4096;
-static const u64 K = std::getenv("QV_K") ? std::strtoull(std::getenv("QV_K"), nullptr, 10) : 4096;
-static double copy_gbs;
-
-static void report(const char* name, float ms, double bytes, std::vector<std::pair<const void*, size_t>> outs) {
-    report_hashes(name, ms, bytes, copy_gbs, outs);
-}
-
-// The persistent grid of kernel k: every CTA that fits at once (at most one per tile), or
-// QV_CTAS per SM when set.
-template <class K> static unsigned persistent_grid(K kern, size_t smem, unsigned tiles) {
-    int per_sm = 0, sms = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, 256, smem));
-    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    if (std::getenv("QV_CTAS")) per_sm = std::min(per_sm, std::atoi(std::getenv("QV_CTAS")));
-    return std::min<unsigned>(tiles, (unsigned)(per_sm * sms));
-}
+static const u64 M = env_dim("QV_M", 4096);
+static const u64 K = env_dim("QV_K", 4096);
 
 int main() {
     const u64 n = M * K;
     const std::vector<uint16_t> h = bf16_input(n);
-    const Fp8Buffers b(n, h, 1.0f);
+    Fp8Buffers b(n, h, 1.0f);
     __nv_bfloat16* x = b.x;
     uint8_t *q = b.q, *qt = b.qt;
     float *sr = b.sr, *sc = b.sc, *scale = b.scale, *sinv = b.sinv, *amax = b.amax;
     std::printf("%llu x %llu bf16\n", (unsigned long long)M, (unsigned long long)K);
-    copy_gbs = b.time_copy();
+    b.time_copy();
     const double in = 2.0 * n;
     auto clear = [&] { b.clear(); };
     const unsigned tiles = (unsigned)(((M + 127) / 128) * ((K + 127) / 128));
-    const size_t stage = 128 * 128 * 2 + 128;  // the stage and its alignment slack
-    {
-        auto* k1 = block_pipe<__nv_bfloat16, true, false>;
-        auto* k2 = block_pipe<__nv_bfloat16, true, true>;
-        auto* k3 = cast_transpose_pipe<__nv_bfloat16, true>;
-        CK(cudaFuncSetAttribute(k1, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage));
-        CK(cudaFuncSetAttribute(k2, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage));
-        CK(cudaFuncSetAttribute(k3, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage));
-    }
-
+    const size_t stage = 128 * 128 * 2 + BULK_STAGE_SLACK;
     for (int rep = 0; rep < 2; ++rep) {
         // FP8 block scaling: (1x128 both), (128x128 rowwise), (128x128 both); tiles, then pipelined.
         for (int mode = 0; mode < 3; ++mode) {
@@ -170,7 +141,7 @@ int main() {
                 char name[64];
                 std::snprintf(name, sizeof name, "fp8 block %s %s, %s", two_d ? "128x128" : "1x128",
                               both ? "both" : "rowwise", pipe ? "pipelined" : "tiles");
-                report(name, ms, in + n + sb + (both ? n + sbc : 0),
+                b.report(name, ms, in + n + sb + (both ? n + sbc : 0),
                        {{q, n}, {sr, (size_t)sb}, {qt, both ? n : 0}, {sc, both ? (size_t)sbc : 0}});
             }
         }
@@ -187,7 +158,7 @@ int main() {
             } else {
                 ms = time_ms([&] { tessera_fp8_cast_transpose_bf16_e4m3<<<tiles, 256>>>(x, q, qt, M, K, del, sinv, amax); });
             }
-            report(pipe ? "fp8 cast both + amax, pipelined" : "fp8 cast both + amax, tiles", ms, in + 2.0 * n,
+            b.report(pipe ? "fp8 cast both + amax, pipelined" : "fp8 cast both + amax, tiles", ms, in + 2.0 * n,
                    {{q, n}, {qt, n}, {amax, 4}});
         }
     }

@@ -19,10 +19,9 @@
 #include "harness.cuh"
 
 // The input shape: 16384x8192, or QV_M x QV_K from the environment (multiples of 128).
-static const u64 M = std::getenv("QV_M") ? std::strtoull(std::getenv("QV_M"), nullptr, 10) : 16384;
-static const u64 K = std::getenv("QV_K") ? std::strtoull(std::getenv("QV_K"), nullptr, 10) : 8192;
+static const u64 M = env_dim("QV_M", 16384);
+static const u64 K = env_dim("QV_K", 8192);
 
-static double copy_gbs;
 
 // The launch grid of gx x gy tiles: one CTA per tile on a 1-D grid (tile_row in
 // common.cuh); the previous kernels (OLD_KERNELS) take 2-D grids.
@@ -34,14 +33,10 @@ static dim3 tiles(unsigned gx, unsigned gy) {
 #endif
 }
 
-static void report(const char* name, float ms, double bytes, std::vector<std::pair<const void*, size_t>> outs) {
-    report_hashes(name, ms, bytes, copy_gbs, outs);
-}
-
 int main() {
     const u64 n = M * K;
     const std::vector<uint16_t> h = bf16_input(n);
-    const Fp8Buffers b(n, h, 3.0f);
+    Fp8Buffers b(n, h, 3.0f);
     __nv_bfloat16* x = b.x;
     uint8_t *q = b.q, *qt = b.qt;
     float *sr = b.sr, *sc = b.sc, *scale = b.scale, *sinv = b.sinv, *amax = b.amax;
@@ -56,7 +51,7 @@ int main() {
                 p.multiProcessorCount, TQ_MINB_TILE, TQ_MINB_BLOCK_ROW, TQ_MINB_BLOCK_1D, TQ_MINB_BLOCK_2D,
                 TQ_MINB_MXFP8);
 #endif
-    copy_gbs = b.time_copy();
+    b.time_copy();
     const double in = 2.0 * n;
     auto clear = [&] { b.clear(); };
 
@@ -89,7 +84,7 @@ int main() {
             const double sb = two_d ? (M / 128) * (K / 128) * 4.0 : n / 128 * 4.0;
             char name[64];
             std::snprintf(name, sizeof name, "fp8 block %s %s", two_d ? "128x128" : "1x128", both ? "both" : "rowwise");
-            report(name, ms, in + (both ? 2 : 1) * (n + sb),
+            b.report(name, ms, in + (both ? 2 : 1) * (n + sb),
                    {{q, n}, {sr, (size_t)sb}, {qt, both ? n : 0}, {sc, both ? (size_t)sb : 0}});
         }
     }
@@ -107,15 +102,15 @@ int main() {
         const float ms = time_ms([&] {
             tessera_fp8_cast_transpose_bf16_e4m3<<<g, 256>>>(x, q, qt, M, K, sa, sinv, nullptr);
         });
-        report("fp8 cast both", ms, in + 2.0 * n, {{q, n}, {qt, n}});
+        b.report("fp8 cast both", ms, in + 2.0 * n, {{q, n}, {qt, n}});
         CK(cudaMemset(amax, 0, 4));
         const float ms2 = time_ms([&] {
             tessera_fp8_cast_transpose_bf16_e4m3<<<g, 256>>>(x, q, qt, M, K, sa, sinv, amax);
         });
-        report("fp8 cast both + amax", ms2, in + 2.0 * n, {{q, n}, {qt, n}, {amax, 4}});
+        b.report("fp8 cast both + amax", ms2, in + 2.0 * n, {{q, n}, {qt, n}, {amax, 4}});
         const int blocks = (int)std::min<u64>(n / 16 / 256, 4ull * p.multiProcessorCount * 8);
         const float ms3 = time_ms([&] { tessera_fp8_cast_bf16_e4m3<<<blocks, 256>>>(x, q, n, sa, sinv, amax); });
-        report("fp8 cast rowwise + amax", ms3, in + n, {{q, n}});
+        b.report("fp8 cast rowwise + amax", ms3, in + n, {{q, n}});
         // Current scaling as the library sequences it: the zeroed amax, the amax pass, and
         // the cast-transpose computing its scale from the amax; with the cast launched
         // programmatically (PDL) or not. The floor reads the input twice.
@@ -134,7 +129,7 @@ int main() {
             });
             const double floor_gbs = (3.0 * in) / t / 1e6;
             std::printf("%-34s %8.4f ms  %6.3f of two-pass floor  hash %016llx %016llx\n",
-                        pdl ? "current scaling both, PDL" : "current scaling both", t, floor_gbs / copy_gbs,
+                        pdl ? "current scaling both, PDL" : "current scaling both", t, floor_gbs / b.copy_gbs,
                         (unsigned long long)fnv(q, n), (unsigned long long)fnv(qt, n));
         }
     }
@@ -160,7 +155,7 @@ int main() {
                 std::snprintf(name, sizeof name, "mxfp8%s %s%s", two_d ? " 2d" : "", both ? "both" : "rowwise",
                               swz ? " swizzled" : "");
                 const double sb = n / 32.0;
-                report(name, ms, in + (both ? 2 : 1) * (n + sb),
+                b.report(name, ms, in + (both ? 2 : 1) * (n + sb),
                        {{q, n}, {sr, (size_t)sb}, {qt, both ? n : 0}, {sc, both ? (size_t)sb : 0}});
             }
         }
@@ -170,7 +165,7 @@ int main() {
         CK(cudaMemset(amax, 0, 4));
         const int blocks = (int)std::min<u64>(n / 8 / 256, 4ull * p.multiProcessorCount * 8);
         const float ms_a = time_ms([&] { tessera_amax_bf16<<<blocks, 256>>>(x, n, amax); });
-        report("amax", ms_a, in, {{amax, 4}});
+        b.report("amax", ms_a, in, {{amax, 4}});
         for (int both = 0; both < 2; ++both) {
             for (int two_d = 0; two_d < 2; ++two_d) {
                 clear();
@@ -190,7 +185,7 @@ int main() {
                 char name[64];
                 std::snprintf(name, sizeof name, "nvfp4%s %s (no amax)", two_d ? " 2d" : "", both ? "both" : "rowwise");
                 const double ob = n / 2.0 + n / 16.0;
-                report(name, ms, in + (both ? 2 : 1) * ob,
+                b.report(name, ms, in + (both ? 2 : 1) * ob,
                        {{q, n / 2}, {sr, n / 16}, {qt, both ? n / 2 : 0}, {sc, both ? n / 16 : 0}});
             }
         }

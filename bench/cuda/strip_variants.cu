@@ -358,23 +358,18 @@ extern "C" __global__ void __launch_bounds__(256, TQ_MINB_STRIP)
     cast_transpose_strip_impl<__nv_bfloat16, true>(x, q, qt, m, k, scale, scale_inv, amax);
 }
 
-static const u64 M = std::getenv("QV_M") ? std::strtoull(std::getenv("QV_M"), nullptr, 10) : 4096;
-static const u64 K = std::getenv("QV_K") ? std::strtoull(std::getenv("QV_K"), nullptr, 10) : 4096;
-static double copy_gbs;
-
-static void report(const char* name, float ms, double bytes, std::vector<std::pair<const void*, size_t>> outs) {
-    report_hashes(name, ms, bytes, copy_gbs, outs);
-}
+static const u64 M = env_dim("QV_M", 4096);
+static const u64 K = env_dim("QV_K", 4096);
 
 int main() {
     const u64 n = M * K;
     const std::vector<uint16_t> h = bf16_input(n);
-    const Fp8Buffers b(n, h, 1.0f);
+    Fp8Buffers b(n, h, 1.0f);
     __nv_bfloat16* x = b.x;
     uint8_t *q = b.q, *qt = b.qt;
     float *sr = b.sr, *sc = b.sc, *scale = b.scale, *sinv = b.sinv, *amax = b.amax;
     std::printf("%llu x %llu bf16, TQ_MINB_STRIP %d\n", (unsigned long long)M, (unsigned long long)K, TQ_MINB_STRIP);
-    copy_gbs = b.time_copy();
+    b.time_copy();
     const double in = 2.0 * n;
     auto clear = [&] { b.clear(); };
     const unsigned tiles = (unsigned)((M / 128) * (K / 128)), strips = (unsigned)((M / 32) * (K / 128));
@@ -397,7 +392,7 @@ int main() {
             char name[64];
             std::snprintf(name, sizeof name, "fp8 block %s %s, %s", two_d ? "128x128" : "1x128",
                           both ? "both" : "rowwise", strip ? "strips" : "tiles");
-            report(name, ms, in + (both ? 2 : 1) * (n + sb),
+            b.report(name, ms, in + (both ? 2 : 1) * (n + sb),
                    {{q, n}, {sr, (size_t)sb}, {qt, both ? n : 0}, {sc, both ? (size_t)sb : 0}});
         }
     }
@@ -412,11 +407,11 @@ int main() {
         const unsigned grid = strip ? strips : tiles;
         clear();
         const float ms = time_ms([&] { kern<<<grid, 256>>>(x, q, qt, M, K, del, sinv, nullptr); });
-        report(strip ? "fp8 cast both, strips" : "fp8 cast both, tiles", ms, in + 2.0 * n, {{q, n}, {qt, n}});
+        b.report(strip ? "fp8 cast both, strips" : "fp8 cast both, tiles", ms, in + 2.0 * n, {{q, n}, {qt, n}});
         clear();
         CK(cudaMemset(amax, 0, 4));
         const float ms2 = time_ms([&] { kern<<<grid, 256>>>(x, q, qt, M, K, del, sinv, amax); });
-        report(strip ? "fp8 cast both + amax, strips" : "fp8 cast both + amax, tiles", ms2, in + 2.0 * n,
+        b.report(strip ? "fp8 cast both + amax, strips" : "fp8 cast both + amax, tiles", ms2, in + 2.0 * n,
                {{q, n}, {qt, n}, {amax, 4}});
         for (int memset = 1; memset >= 0; --memset) {
         clear();
@@ -429,7 +424,7 @@ int main() {
         std::printf("%-40s %8.4f ms %6.3f of two-pass floor  hash %016llx %016llx\n",
                     memset ? (strip ? "current scaling both, strips" : "current scaling both, tiles")
                            : (strip ? "current ... strips, no memset" : "current ... tiles, no memset"),
-                    t, 3.0 * in / t / 1e6 / copy_gbs, (unsigned long long)fnv(q, n), (unsigned long long)fnv(qt, n));
+                    t, 3.0 * in / t / 1e6 / b.copy_gbs, (unsigned long long)fnv(q, n), (unsigned long long)fnv(qt, n));
         }
     }
     return 0;
