@@ -614,8 +614,11 @@ __device__ __forceinline__ void transpose4x4(const uint32_t* in, uint32_t* out) 
 // Shared staging of a transposed 128x128 byte tile: row c (a column of the input tile)
 // holds 32 words, word g packing input rows 4g .. 4g+3. Word g of row c is stored at
 // g ^ swz(c), which keeps each aligned group of 4 words together (16-byte reads) and
-// spreads the 32 lanes of a warp's word stores over 32 banks.
-template <int V> struct Transposed128 {
+// spreads the 32 lanes of a warp's word stores over 32 banks. The 16-byte reads need the
+// struct 16-byte aligned: as a plain word array it is only 4-byte aligned, and a kernel
+// that declares another shared variable first (an 8-byte mbarrier) got it at 8 past a
+// 16-byte boundary (CUDA_ERROR_MISALIGNED_ADDRESS, H200 and H100).
+template <int V> struct __align__(16) Transposed128 {
     uint32_t w[128][32];
     __device__ static int swz(int c) { return ((c / V) & 7) << 2; }
     __device__ void put(int c, int g, uint32_t v) { w[c][g ^ swz(c)] = v; }
