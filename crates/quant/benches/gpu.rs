@@ -97,18 +97,25 @@ impl Bench<'_> {
     }
 }
 
+/// Options (`cargo bench` passes `--bench`, accepted and ignored).
+#[derive(clap::Parser)]
+struct Args {
+    /// Timed batches per measurement (the median is reported).
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// Where to write the results as JSON.
+    #[arg(long)]
+    json: Option<String>,
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
 fn main() -> Result<()> {
-    let mut iters = 20;
-    let mut json_path = None;
-    let mut it = std::env::args().skip(1);
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--iters" => iters = it.next().and_then(|v| v.parse().ok()).expect("--iters N"),
-            "--json" => json_path = it.next(),
-            "--bench" => {}
-            other => panic!("unknown argument {other}; expected --iters N, --json PATH"),
-        }
-    }
+    let Args {
+        iters,
+        json: json_path,
+        ..
+    } = clap::Parser::parse();
     let dev = device(0)?;
     let gpu = Device::Cuda(0);
     let mut b = Bench {

@@ -13,29 +13,20 @@ use tessera_core::cuda::{CudaDevice, EventTimer, device};
 use tessera_core::{DType, Device, Result, Tensor, bf16, f16};
 use tessera_rng::Generator;
 
+/// Options (`cargo bench` passes `--bench`, accepted and ignored).
+#[derive(clap::Parser)]
 struct Args {
+    /// Output size in MiB.
+    #[arg(long, default_value_t = 256)]
     mib: usize,
+    /// Timed batches per measurement (the median is reported).
+    #[arg(long, default_value_t = 30)]
     iters: usize,
+    /// Where to write the results as JSON.
+    #[arg(long)]
     json: Option<String>,
-}
-
-fn args() -> Args {
-    let mut a = Args {
-        mib: 256,
-        iters: 30,
-        json: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        match k.as_str() {
-            "--mib" => a.mib = it.next().and_then(|v| v.parse().ok()).expect("--mib N"),
-            "--iters" => a.iters = it.next().and_then(|v| v.parse().ok()).expect("--iters N"),
-            "--json" => a.json = it.next(),
-            "--bench" => {} // passed by `cargo bench`
-            other => panic!("unknown argument {other}; expected --mib N, --iters N, --json PATH"),
-        }
-    }
-    a
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
 /// Launches per timed sample: the queue stays full, so the host's launch cost (which
@@ -56,7 +47,7 @@ struct Row {
 }
 
 fn main() -> Result<()> {
-    let a = args();
+    let a = <Args as clap::Parser>::parse();
     let dev = device(0)?;
     let bytes = a.mib << 20;
     let gpu = Device::Cuda(0);
