@@ -560,7 +560,7 @@ template <class T> struct Tile128 {
         }
     }
 
-    // NaN-ignoring max |x| of each of the thread's 16 columns over the 32 rows of its
+    // NaN-ignoring max |x| of each of the thread's 16 columns over the 16 rows of its
     // warp (its 4 rows, then the 4 row groups of the warp, lanes xor 8, 16).
     __device__ void col_amax(float* ca) const {
         if constexpr (sizeof(T) == 2) {
