@@ -36,10 +36,14 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
 // Extra dynamic shared memory a kernel using bulk_stage() is launched with.
 constexpr int BULK_STAGE_SLACK = 128;
 
-// The kernel's dynamic shared memory, rounded up to 128 bytes. It starts where the
-// static shared memory ends, which need not be 16-byte aligned whatever an extern
-// declaration says (sanitizer, H100: a stage at 0x808 after the FP8 block kernels'
-// arrays, and misaligned 16-byte reads), so launches add BULK_STAGE_SLACK bytes.
+// The kernel's dynamic shared memory, rounded up to 128 bytes (launches add
+// BULK_STAGE_SLACK bytes). History: the sanitizer's misaligned 16-byte shared reads at
+// 0x808 in the FP8 block pipeline (2026-12-05) were first blamed on the dynamic stage and
+// this rounding added; they were Transposed128's (common.cuh), a word array read as uint4
+// and placed 8 bytes past a 16-byte boundary behind the pipeline's mbarrier. With that
+// struct 16-byte aligned the pipeline ran (H100; its hashes equal to the tile
+// kernels'). The rounding stays: 128 bytes buy not having to argue about where the
+// dynamic shared memory starts.
 __device__ __forceinline__ uint8_t* bulk_stage() {
     extern __shared__ uint8_t smem_raw[];
     return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 127) & ~(uintptr_t)127);

@@ -10,9 +10,10 @@
 // (2.6 waves of 3 CTAs per SM) the CTAs of a wave run in step, so HBM idles while they
 // compute. Here a CTA issues the next tile's loads (one bulk copy per row, issued by 128
 // threads: one instruction each, no registers held) before it quantizes the current one.
-// 2026-12-05 (H100): the first build stopped with CUDA_ERROR_MISALIGNED_ADDRESS; the
-// sanitizer showed 16-byte shared reads of a stage that started 8 bytes past a 16-byte
-// boundary (bulk_stage in bulk.cuh now realigns it; that build compiles but has not run).
+// 2026-12-05: the first builds stopped with CUDA_ERROR_MISALIGNED_ADDRESS; the cause was
+// Transposed128 (common.cuh), 4-byte aligned and read as uint4, which the pipeline's
+// mbarrier pushed 8 bytes past a 16-byte boundary; it is 16-byte aligned now. Measured
+// (H100, BENCHMARKS.md): correct, and slower than the tile kernels at every shape.
 #include <cstdio>
 #include <vector>
 
