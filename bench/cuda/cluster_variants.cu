@@ -24,7 +24,7 @@
 
 #include "block.cu"
 
-#include "bulk.cuh"
+#include "sm90.cuh"
 #include "harness.cuh"
 
 #ifndef CV_MINB
@@ -50,46 +50,24 @@
 #define CV_CLUSTER __cluster_dims__(4, 1, 1)
 #endif
 
-// ---- cluster primitives --------------------------------------------------------------------
+// ---- the exchange's barriers and remote loads (CTA-local stand-ins under CV_DIAG) ----------
 
-// Every thread of the cluster arrives (its shared-memory writes released to the cluster)
-// and waits for all (acquiring theirs). Also a barrier of the CTA.
-__device__ __forceinline__ void cluster_sync() {
+// Every thread of the cluster arrives (releasing its shared-memory writes) and waits.
+__device__ __forceinline__ void x_sync() {
     if (CV_DIAG) return __syncthreads();
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    cluster_arrive();
+    cluster_wait();
 }
-__device__ __forceinline__ void cluster_arrive() {
-    if (!CV_DIAG) asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+__device__ __forceinline__ void x_arrive() {
+    if (!CV_DIAG) cluster_arrive();
 }
-__device__ __forceinline__ void cluster_wait() {
-    if (!CV_DIAG) asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+__device__ __forceinline__ void x_arrive_relaxed() {
+    if (!CV_DIAG) cluster_arrive_relaxed();
 }
-
-// The float at `local` (this CTA's shared memory) in the shared memory of cluster CTA `rank`.
-__device__ __forceinline__ float ld_cluster(const float* local, uint32_t rank) {
-    if (CV_DIAG) return *local;
-    const uint32_t a = (uint32_t)__cvta_generic_to_shared(local);
-    uint32_t ra;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ra) : "memory");
-    return v;
+__device__ __forceinline__ void x_wait() {
+    if (!CV_DIAG) cluster_wait();
 }
-
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-
-// v into the float at `local` in cluster CTA `rank`'s shared memory, completing 4 bytes of
-// the transaction count of that CTA's mbarrier at `bar`.
-__device__ __forceinline__ void st_async_f32(const float* local, uint32_t rank, float v, const uint64_t* bar) {
-    uint32_t d, b;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(d) : "r"(smem_u32(local)), "r"(rank));
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(b) : "r"(smem_u32(bar)), "r"(rank));
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(d),
-                 "r"(__float_as_uint(v)), "r"(b)
-                 : "memory");
-}
+__device__ __forceinline__ float x_load(const float* local, uint32_t rank) { return CV_DIAG ? *local : ld_cluster_f32(local, rank); }
 
 __device__ __forceinline__ uint32_t sel4(const uint32_t* w, int i) {
     return i == 0 ? w[0] : i == 1 ? w[1] : i == 2 ? w[2] : w[3];
@@ -117,31 +95,15 @@ __global__ void CV_CLUSTER __launch_bounds__(256, CV_MINB)
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, cg = t & 7, j4 = lane >> 3;
     if constexpr (CV_PUSH && (two_d || both)) {
         if (t == 0) mbar_init(&bar, 1);
-        cluster_arrive_relaxed();  // waited for just before the first push
+        x_arrive_relaxed();  // waited for just before the first push
     }
     const uint32_t rank = blockIdx.x & 3;  // == %cluster_ctarank: clusters are 4 consecutive CTAs along x
     const uint32_t gy = (uint32_t)((k + 127) / 128), tile = blockIdx.x >> 2;
     const u64 mb = tile / gy, kb = tile % gy, m0 = mb * 128, k0 = kb * 128;
     const u64 r = m0 + 32 * rank + (t >> 3);
-    union {
-        uint4 u[Tl::L];
-        uint32_t w[4 * Tl::L];
-        T e[16];
-    } d;
-    const bool vec = (k % V) == 0;
-#pragma unroll
-    for (int l = 0; l < Tl::L; ++l) {
-        const u64 c = k0 + l * 8 * V + cg * V;
-        if (vec && r < m && c + V <= k) {
-            d.u[l] = *reinterpret_cast<const uint4*>(x + r * k + c);
-        } else {
-            d.u[l] = make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-            for (int j = 0; j < V; ++j)
-                if (r < m && c + j < k) d.e[l * V + j] = x[r * k + c + j];
-        }
-    }
-    float a = amax_of<T, 16>(d.w);
+    Row16<T> row;
+    row.load(x, m, k, r, k0, cg);
+    float a = row.amax();
     a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
     a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
     a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 4));  // the row's amax
@@ -153,7 +115,7 @@ __global__ void CV_CLUSTER __launch_bounds__(256, CV_MINB)
         __syncthreads();
         float ta;
         if constexpr (CV_PUSH) {
-            cluster_wait();  // every cluster CTA's mbarrier is initialised
+            x_wait();  // every cluster CTA's mbarrier is initialised
             if (t < 4) {
                 float c = warpmax[0];
 #pragma unroll
@@ -170,11 +132,11 @@ __global__ void CV_CLUSTER __launch_bounds__(256, CV_MINB)
                 for (int w = 1; w < 8; ++w) c = fmaxf(c, warpmax[w]);
                 part[0] = c;
             }
-            cluster_sync();
-            ta = ld_cluster(&part[0], 0);
+            x_sync();
+            ta = x_load(&part[0], 0);
 #pragma unroll
-            for (uint32_t q = 1; q < 4; ++q) ta = fmaxf(ta, ld_cluster(&part[0], q));
-            cluster_arrive();  // done reading the others' shared memory
+            for (uint32_t q = 1; q < 4; ++q) ta = fmaxf(ta, x_load(&part[0], q));
+            x_arrive();  // done reading the others' shared memory
         }
         s = scale_from_amax(ta, fp8_max, pow2, eps, value_for_inf);
         if (rank == 0 && t == 0) {
@@ -187,12 +149,7 @@ __global__ void CV_CLUSTER __launch_bounds__(256, CV_MINB)
         if (cg == 0 && r < m) s_row[kb * s_row_cols + r] = __frcp_rn(s);
     }
     uint32_t wr[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const uint32_t lo = fp8x2<E4M3>(__fmul_rn(In<T>::f32(d.e[4 * q]), s), __fmul_rn(In<T>::f32(d.e[4 * q + 1]), s));
-        const uint32_t hi = fp8x2<E4M3>(__fmul_rn(In<T>::f32(d.e[4 * q + 2]), s), __fmul_rn(In<T>::f32(d.e[4 * q + 3]), s));
-        wr[q] = lo | (hi << 16);
-    }
+    row.template fp8<E4M3>(s, wr);
 #pragma unroll
     for (int l = 0; l < Tl::L; ++l) store_run<V>(q_row, m, k, r, k0 + Tl::col(cg, l * V), &wr[l * V / 4]);
     if constexpr (both) {
@@ -204,14 +161,14 @@ __global__ void CV_CLUSTER __launch_bounds__(256, CV_MINB)
             // Column amaxes over the warp's 4 rows, then its 8 warps, then the cluster.
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
-                float c = fabsf(In<T>::f32(d.e[j]));
+                float c = fabsf(row.at(j));
                 c = fmaxf(c, __shfl_xor_sync(0xFFFFFFFFu, c, 8));
                 c = fmaxf(c, __shfl_xor_sync(0xFFFFFFFFu, c, 16));
                 if (j4 == 0) colpart[warp][Tl::col(cg, j)] = c;
             }
             __syncthreads();
             if constexpr (CV_PUSH) {
-                cluster_wait();  // every cluster CTA's mbarrier is initialised
+                x_wait();  // every cluster CTA's mbarrier is initialised
                 if (t < 128) {
                     float c = colpart[0][t];
 #pragma unroll
@@ -228,30 +185,30 @@ __global__ void CV_CLUSTER __launch_bounds__(256, CV_MINB)
                     for (int w = 1; w < 8; ++w) c = fmaxf(c, colpart[w][t]);
                     part[t] = c;
                 }
-                cluster_sync();
+                x_sync();
             }
             if (t < 128) {
                 float c;
                 if constexpr (CV_PUSH) {
                     c = fmaxf(fmaxf(inbox[0][t], inbox[1][t]), fmaxf(inbox[2][t], inbox[3][t]));
                 } else {
-                    c = ld_cluster(&part[t], 0);
+                    c = x_load(&part[t], 0);
 #pragma unroll
-                    for (uint32_t q = 1; q < 4; ++q) c = fmaxf(c, ld_cluster(&part[t], q));
+                    for (uint32_t q = 1; q < 4; ++q) c = fmaxf(c, x_load(&part[t], q));
                 }
                 const float cs = scale_from_amax(c, fp8_max, pow2, eps, value_for_inf);
                 colscale[t] = cs;
                 if (rank == 0 && k0 + t < k) s_col[mb * s_col_cols + k0 + t] = __frcp_rn(cs);
             }
-            if (!CV_PUSH) cluster_arrive();
+            if (!CV_PUSH) x_arrive();
             __syncthreads();
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
                 const int c0 = Tl::col(cg, 4 * q);  // columns c0 .. c0 + 3 (runs of V >= 4)
-                const uint32_t lo = fp8x2<E4M3>(__fmul_rn(In<T>::f32(d.e[4 * q]), colscale[c0]),
-                                                __fmul_rn(In<T>::f32(d.e[4 * q + 1]), colscale[c0 + 1]));
-                const uint32_t hi = fp8x2<E4M3>(__fmul_rn(In<T>::f32(d.e[4 * q + 2]), colscale[c0 + 2]),
-                                                __fmul_rn(In<T>::f32(d.e[4 * q + 3]), colscale[c0 + 3]));
+                const uint32_t lo = fp8x2<E4M3>(__fmul_rn(row.at(4 * q), colscale[c0]),
+                                                __fmul_rn(row.at(4 * q + 1), colscale[c0 + 1]));
+                const uint32_t hi = fp8x2<E4M3>(__fmul_rn(row.at(4 * q + 2), colscale[c0 + 2]),
+                                                __fmul_rn(row.at(4 * q + 3), colscale[c0 + 3]));
                 wc[q] = lo | (hi << 16);
             }
         }
@@ -286,21 +243,12 @@ __global__ void CV_CLUSTER __launch_bounds__(256, CV_MINB)
                 v.x = v.z, v.y = v.w, v.z = x0, v.w = x1;
             }
             const u64 gk = k0 + c, gm = m0 + 32 * rank + 16 * h;
-            if (gk < k && gm < m) {
-                if ((m % 16) == 0) {
-                    *reinterpret_cast<uint4*>(q_col + gk * m + gm) = v;
-                } else {
-                    const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                    for (int b = 0; b < 16; ++b)
-                        if (gm + b < m) q_col[gk * m + gm + b] = (uint8_t)(ws[b / 4] >> (8 * (b % 4)));
-                }
-            }
+            if (gk < k && gm < m) store16_t(q_col, m, gk, gm, v);
         }
     }
     // Pull: the others are done with this CTA's shared memory. (Push: every write into it
     // completed before its mbarrier wait returned.)
-    if constexpr (!CV_PUSH && (two_d || both)) cluster_wait();
+    if constexpr (!CV_PUSH && (two_d || both)) x_wait();
 }
 
 static const u64 M = env_dim("QV_M", 4096);

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "fp8.cu"
-#include "bulk.cuh"
+#include "sm90.cuh"
 #include "harness.cuh"
 #include "nvfp4.cu"
 

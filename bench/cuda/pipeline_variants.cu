@@ -20,7 +20,7 @@
 #include "block.cu"
 #include "fp8.cu"
 
-#include "bulk.cuh"
+#include "sm90.cuh"
 #include "harness.cuh"
 
 // Launch bound of the pipelined kernels (minimum CTAs per SM).

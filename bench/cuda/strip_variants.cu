@@ -18,6 +18,7 @@
 #include "fp8.cu"
 
 #include "harness.cuh"
+#include "sm90.cuh"
 
 // Launch bound of the strip kernels (minimum CTAs per SM).
 #ifndef TQ_MINB_STRIP
@@ -33,32 +34,6 @@
 // 32r+31), so per-tile and per-column amaxes reduce across the cluster through
 // distributed shared memory: a CTA is a quarter of a tile kernel's, so at small shapes
 // the last wave costs a quarter as long (see block.cu).
-
-// This CTA's rank in its cluster (its x index within the cluster for 1-D clusters).
-__device__ __forceinline__ uint32_t cluster_rank() {
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-
-// The two halves of a cluster-wide barrier: every thread of every CTA of the cluster
-// arrives (release: its shared-memory writes become visible to the cluster) and waits
-// (acquire) for all of them. A CTA must not exit while another may still read its shared
-// memory, so a read of a peer's shared memory is followed by an arrive, and exit by a
-// wait.
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-
-// The float at p (a __shared__ address of this CTA) in the shared memory of cluster CTA
-// `rank`.
-__device__ __forceinline__ float ld_cluster_f32(const float* p, uint32_t rank) {
-    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    uint32_t ra;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ra) : "memory");
-    return v;
-}
 
 template <class T> struct Strip {
     static constexpr int W = (int)sizeof(T);  // 32-bit words per row and thread

@@ -6,8 +6,16 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 /// nvcc flags shared by the PTX build and the resource report. No fast-math: the
-/// kernels must round exactly like the CPU reference.
-const NVCC_FLAGS: &[&str] = &["-arch=sm_90", "-std=c++17", "-O3"];
+/// kernels must round exactly like the CPU reference. Warnings are errors: a member
+/// template called without `.template` in a template (`row.fp8<E4M3>(s, w)`) parses as
+/// two comparisons and only warns ("expression has no effect").
+const NVCC_FLAGS: &[&str] = &[
+    "-arch=sm_90",
+    "-std=c++17",
+    "-O3",
+    "-Werror",
+    "all-warnings",
+];
 
 pub(crate) fn run(root: &Path, resources: bool, out: Option<&Path>) -> Result<()> {
     let nvcc = find_nvcc()?;

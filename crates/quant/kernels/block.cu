@@ -17,37 +17,16 @@ __device__ void block_row_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_
     const int t = threadIdx.x, cg = t & 7;
     const u64 gy = (k + 127) / 128, by = tile_col(gy);
     const u64 r = tile_row(gy) * 32 + (t >> 3), k0 = by * 128;
-    union {
-        uint4 u[Tl::L];
-        uint32_t w[4 * Tl::L];
-        T e[16];
-    } d;
-    const bool vec = (k % V) == 0;
-#pragma unroll
-    for (int l = 0; l < Tl::L; ++l) {
-        const u64 c = k0 + l * 8 * V + cg * V;
-        if (vec && r < m && c + V <= k) {
-            d.u[l] = *reinterpret_cast<const uint4*>(x + r * k + c);
-        } else {
-            d.u[l] = make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-            for (int j = 0; j < V; ++j)
-                if (r < m && c + j < k) d.e[l * V + j] = x[r * k + c + j];
-        }
-    }
-    float a = amax_of<T, 16>(d.w);
+    Row16<T> row;
+    row.load(x, m, k, r, k0, cg);
+    float a = row.amax();
     a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
     a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
     a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 4));
     if (r >= m) return;
     const float s = scale_from_amax(a, fp8_max, pow2, eps, value_for_inf);
     uint32_t w[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const uint32_t lo = fp8x2<E4M3>(__fmul_rn(In<T>::f32(d.e[4 * q]), s), __fmul_rn(In<T>::f32(d.e[4 * q + 1]), s));
-        const uint32_t hi = fp8x2<E4M3>(__fmul_rn(In<T>::f32(d.e[4 * q + 2]), s), __fmul_rn(In<T>::f32(d.e[4 * q + 3]), s));
-        w[q] = lo | (hi << 16);
-    }
+    row.template fp8<E4M3>(s, w);
 #pragma unroll
     for (int l = 0; l < Tl::L; ++l) store_run<V>(q_row, m, k, r, k0 + Tl::col(cg, l * V), &w[l * V / 4]);
     if (cg == 0) s_row[by * s_row_cols + r] = __frcp_rn(s);

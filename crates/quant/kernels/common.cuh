@@ -611,6 +611,63 @@ __device__ __forceinline__ void transpose4x4(const uint32_t* in, uint32_t* out) 
     out[3] = __byte_perm(t2, t3, 0x7632);
 }
 
+// The 16 values a thread holds of row r in the 128 columns from k0, laid out as one row of
+// Tile128 (lane cg of the row's 8: columns col(cg, 0 .. 15), 16-byte loads); zeros outside
+// the matrix.
+template <class T> struct Row16 {
+    using Tl = Tile128<T>;
+    union {
+        uint4 u[Tl::L];
+        uint32_t w[4 * Tl::L];
+        T e[16];
+    } d;
+
+    __device__ void load(const T* __restrict__ x, u64 m, u64 k, u64 r, u64 k0, int cg) {
+        constexpr int V = Tl::V;
+        const bool vec = (k % V) == 0;
+#pragma unroll
+        for (int l = 0; l < Tl::L; ++l) {
+            const u64 c = k0 + l * 8 * V + cg * V;
+            if (vec && r < m && c + V <= k) {
+                d.u[l] = *reinterpret_cast<const uint4*>(x + r * k + c);
+            } else {
+                d.u[l] = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+                for (int j = 0; j < V; ++j)
+                    if (r < m && c + j < k) d.e[l * V + j] = x[r * k + c + j];
+            }
+        }
+    }
+
+    __device__ float at(int j) const { return In<T>::f32(d.e[j]); }
+
+    // NaN-ignoring max |x| of the 16 values.
+    __device__ float amax() const { return amax_of<T, 16>(d.w); }
+
+    // The 16 values times s as FP8 bytes, four to a word (word q: values 4q .. 4q+3).
+    template <bool E4M3> __device__ void fp8(float s, uint32_t* w) const {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const uint32_t lo = fp8x2<E4M3>(__fmul_rn(at(4 * q), s), __fmul_rn(at(4 * q + 1), s));
+            const uint32_t hi = fp8x2<E4M3>(__fmul_rn(at(4 * q + 2), s), __fmul_rn(at(4 * q + 3), s));
+            w[q] = lo | (hi << 16);
+        }
+    }
+};
+
+// 16 bytes v (little-endian words) into row gk of qt [k, m] at column gm (a multiple of
+// 16, below m): one vector store when m is a multiple of 16, else the bytes below m.
+__device__ __forceinline__ void store16_t(uint8_t* __restrict__ qt, u64 m, u64 gk, u64 gm, uint4 v) {
+    if ((m % 16) == 0) {
+        *reinterpret_cast<uint4*>(qt + gk * m + gm) = v;
+    } else {
+        const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int b = 0; b < 16; ++b)
+            if (gm + b < m) qt[gk * m + gm + b] = (uint8_t)(ws[b / 4] >> (8 * (b % 4)));
+    }
+}
+
 // Shared staging of a transposed 128x128 byte tile: row c (a column of the input tile)
 // holds 32 words, word g packing input rows 4g .. 4g+3. Word g of row c is stored at
 // g ^ swz(c), which keeps each aligned group of 4 words together (16-byte reads) and
@@ -630,15 +687,7 @@ template <int V> struct __align__(16) Transposed128 {
             const int c = idx / 8, q = idx % 8;
             const u64 gk = k0 + c, gm = m0 + 16 * q;
             if (gk >= k || gm >= m) continue;
-            const uint4 v = *reinterpret_cast<const uint4*>(&w[c][(4 * q) ^ swz(c)]);
-            if ((m % 16) == 0) {
-                *reinterpret_cast<uint4*>(qt + gk * m + gm) = v;
-            } else {
-                const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int b = 0; b < 16; ++b)
-                    if (gm + b < m) qt[gk * m + gm + b] = (uint8_t)(ws[b / 4] >> (8 * (b % 4)));
-            }
+            store16_t(qt, m, gk, gm, *reinterpret_cast<const uint4*>(&w[c][(4 * q) ^ swz(c)]));
         }
     }
 };
