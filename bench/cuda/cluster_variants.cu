@@ -32,17 +32,21 @@
 #endif
 // Diagnostics (wrong bytes, timing only): CV_DIAG=1 keeps the clusters but skips the
 // exchange (each CTA uses its own partial amaxes, no cluster barrier); CV_DIAG=2 also
-// launches without clusters.
-// CV_PUSH=1 (default): each CTA pushes its partials into every cluster CTA's shared memory
-// (st.async, completing on the receiver's mbarrier), one cluster barrier at the start
-// (split around the loads) so the mbarriers exist; CV_PUSH=0: partials published locally,
-// a cluster barrier, then read remotely (ld.shared::cluster), and a second barrier
-// before exit.
-#ifndef CV_PUSH
-#define CV_PUSH 1
-#endif
+// launches without clusters. Both time the pull form's code path with its exchange
+// taken out (the push form sends to other CTAs, which needs clusters).
 #ifndef CV_DIAG
 #define CV_DIAG 0
+#endif
+// CV_PUSH=1 (the default without CV_DIAG): each CTA pushes its partials into every
+// cluster CTA's shared memory (st.async, completing on the receiver's mbarrier), one
+// cluster barrier at the start (split around the loads) so the mbarriers exist;
+// CV_PUSH=0: partials published locally, a cluster barrier, then read remotely
+// (ld.shared::cluster), and a second barrier before exit.
+#ifndef CV_PUSH
+#define CV_PUSH (CV_DIAG == 0)
+#endif
+#if CV_PUSH && CV_DIAG
+#error "CV_DIAG times the pull form: build it with CV_PUSH=0"
 #endif
 #if CV_DIAG == 2
 #define CV_CLUSTER
