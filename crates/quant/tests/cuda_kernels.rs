@@ -316,6 +316,46 @@ fn fp8_current_scaling_matches_the_cpu() {
     }
 }
 
+/// Tensors with a zero dimension quantize on the device to what the CPU gives (empty
+/// data, scale grids with their padding written) and dequantize to empty tensors, for
+/// every format and each way a dimension can be empty.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn empty_tensors_match_the_cpu() {
+    require_gpu();
+    let zeros = |dims: &[usize]| Tensor::zeros(dims, DType::BF16, Device::Cpu).unwrap();
+    for dims in [&[0, 5][..], &[5, 0], &[0], &[0, 0]] {
+        let x = zeros(dims);
+        for usage in [Usage::Rowwise, Usage::Both] {
+            let what = format!("{dims:?} {usage:?}");
+            let mut q = Fp8CurrentScaling::new(Fp8Format::E4M3).with_usage(usage);
+            check_quantizer(&mut q, &x, &format!("current {what}"));
+            let mut q = Fp8DelayedScaling::new(Fp8Format::E4M3, 4)
+                .unwrap()
+                .with_usage(usage);
+            check_quantizer(&mut q, &x, &format!("delayed {what}"));
+            for dim in [BlockDim::OneD, BlockDim::TwoD] {
+                let mut q = Fp8BlockQuantizer::new(Fp8Format::E4M3, dim).with_usage(usage);
+                check_quantizer(&mut q, &x, &format!("fp8-block {dim:?} {what}"));
+            }
+        }
+    }
+    // MXFP8 and NVFP4 need both flattened dimensions to be multiples of their blocks.
+    for dims in [&[0, 64][..], &[64, 0], &[0, 0]] {
+        let x = zeros(dims);
+        for two_d in [false, true] {
+            let mut q = Mxfp8Quantizer::new(Fp8Format::E4M3)
+                .with_2d(two_d)
+                .with_usage(Usage::Both);
+            check_quantizer(&mut q, &x, &format!("mxfp8 {dims:?} 2d={two_d}"));
+        }
+        for rht in [false, true] {
+            let mut q = Nvfp4Quantizer::new().with_rht(rht).with_usage(Usage::Both);
+            check_quantizer(&mut q, &x, &format!("nvfp4 {dims:?} rht={rht}"));
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn fp8_all_zero_and_all_nan_inputs() {
