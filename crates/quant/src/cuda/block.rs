@@ -54,7 +54,9 @@ pub(crate) fn quantize_into(
         i32::from(dim == BlockDim::TwoD),
     );
     let null = 0u64;
-    {
+    // An empty input has nothing to write: every buffer, the scale grids too, is empty
+    // (block.rs `scale_shapes`), and a launch would still start one tile.
+    if m > 0 && k > 0 {
         let [qr, sr, qc, sc] = o.slices()?;
         // SAFETY: (const T* x, u64 m, u64 k, float fp8_max, int pow2, float eps, float
         // value_for_inf, int two_d, u8* q_row, float* s_row, u64 s_row_cols, u8* q_col,

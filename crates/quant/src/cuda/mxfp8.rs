@@ -45,7 +45,9 @@ pub(crate) fn quantize_into(
     let (two_d, swz) = (i32::from(two_d), i32::from(swizzled));
     let max_rcp = format.max_rcp();
     let null = 0u64;
-    {
+    // An empty input has nothing to write: every buffer, the scale grids too, is empty
+    // (mxfp8.rs `scale_shapes`), and a launch would still start one tile.
+    if m > 0 && k > 0 {
         let [qr, sr, qc, sc] = o.slices()?;
         // SAFETY: (const T* x, u64 m, u64 k, float max_rcp, u8* q_row, u8* s_row, u64
         // s_row_cols, u8* q_col, u8* s_col, u64 s_col_rows, u64 s_col_cols, int two_d, int
