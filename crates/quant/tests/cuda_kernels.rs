@@ -349,9 +349,13 @@ fn empty_tensors_match_the_cpu() {
                 .with_usage(Usage::Both);
             check_quantizer(&mut q, &x, &format!("mxfp8 {dims:?} 2d={two_d}"));
         }
-        for rht in [false, true] {
-            let mut q = Nvfp4Quantizer::new().with_rht(rht).with_usage(Usage::Both);
-            check_quantizer(&mut q, &x, &format!("nvfp4 {dims:?} rht={rht}"));
+        for (rht, usage) in [
+            (false, Usage::Rowwise),
+            (false, Usage::Both),
+            (true, Usage::Both),
+        ] {
+            let mut q = Nvfp4Quantizer::new().with_rht(rht).with_usage(usage);
+            check_quantizer(&mut q, &x, &format!("nvfp4 {dims:?} rht={rht} {usage:?}"));
         }
     }
 }

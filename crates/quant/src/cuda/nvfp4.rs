@@ -300,6 +300,12 @@ pub(crate) fn quantize_into(
     };
     // The launch, with every buffer of `out` put back whatever it returns.
     let launched = (|| -> Result<()> {
+        if cfg.grid_dim.0 == 0 {
+            // An empty input (m or k is 0): the row kernel's grid covers its tiles exactly
+            // and there are none (a launch of no CTAs is an error); the amax pass above
+            // wrote the amax, and every other buffer is empty.
+            return Ok(());
+        }
         let (q_row, s_row, q_col, s_col) = (&o.q_row, &o.s_row, &o.q_col, &o.s_col);
         let p = |t: &Option<Tensor>| t.as_ref().map_or(Ok(0), |t| device_addr(&dev, t));
         let cols = |t: &Option<Tensor>| t.as_ref().map_or(0, |t| t.shape().dims()[1] as u64);
