@@ -102,6 +102,18 @@ __global__ void CV_CLUSTER __launch_bounds__(256, CV_MINB)
         x_arrive_relaxed();  // waited for just before the first push
     }
     const uint32_t rank = blockIdx.x & 3;  // == %cluster_ctarank: clusters are 4 consecutive CTAs along x
+    // The max over the cluster's 4 CTAs of partial i: from the inbox (push) or read from
+    // the peers' `part` (pull).
+    auto peers_max = [&](int i) {
+        if constexpr (CV_PUSH) {
+            return fmaxf(fmaxf(inbox[0][i], inbox[1][i]), fmaxf(inbox[2][i], inbox[3][i]));
+        } else {
+            float v = x_load(&part[i], 0);
+#pragma unroll
+            for (uint32_t q = 1; q < 4; ++q) v = fmaxf(v, x_load(&part[i], q));
+            return v;
+        }
+    };
     const uint32_t gy = (uint32_t)((k + 127) / 128), tile = blockIdx.x >> 2;
     const u64 mb = tile / gy, kb = tile % gy, m0 = mb * 128, k0 = kb * 128;
     const u64 r = m0 + 32 * rank + (t >> 3);
@@ -117,31 +129,20 @@ __global__ void CV_CLUSTER __launch_bounds__(256, CV_MINB)
         a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 16));
         if (lane == 0) warpmax[warp] = a;
         __syncthreads();
-        float ta;
+        float c = warpmax[0];  // this CTA's partial
+#pragma unroll
+        for (int w = 1; w < 8; ++w) c = fmaxf(c, warpmax[w]);
         if constexpr (CV_PUSH) {
             x_wait();  // every cluster CTA's mbarrier is initialised
-            if (t < 4) {
-                float c = warpmax[0];
-#pragma unroll
-                for (int w = 1; w < 8; ++w) c = fmaxf(c, warpmax[w]);
-                st_async_f32(&inbox[rank][0], (uint32_t)t, c, &bar);
-            }
+            if (t < 4) st_async_f32(&inbox[rank][0], (uint32_t)t, c, &bar);
             if (t == 0) mbar_arrive_expect(&bar, 4 * 4);
             mbar_wait(&bar, 0);
-            ta = fmaxf(fmaxf(inbox[0][0], inbox[1][0]), fmaxf(inbox[2][0], inbox[3][0]));
         } else {
-            if (t == 0) {
-                float c = warpmax[0];
-#pragma unroll
-                for (int w = 1; w < 8; ++w) c = fmaxf(c, warpmax[w]);
-                part[0] = c;
-            }
+            if (t == 0) part[0] = c;
             x_sync();
-            ta = x_load(&part[0], 0);
-#pragma unroll
-            for (uint32_t q = 1; q < 4; ++q) ta = fmaxf(ta, x_load(&part[0], q));
-            x_arrive();  // done reading the others' shared memory
         }
+        const float ta = peers_max(0);
+        if (!CV_PUSH) x_arrive();  // done reading the others' shared memory
         s = scale_from_amax(ta, fp8_max, pow2, eps, value_for_inf);
         if (rank == 0 && t == 0) {
             const float si = __frcp_rn(s);
@@ -171,35 +172,26 @@ __global__ void CV_CLUSTER __launch_bounds__(256, CV_MINB)
                 if (j4 == 0) colpart[warp][Tl::col(cg, j)] = c;
             }
             __syncthreads();
+            float c = 0.0f;  // this CTA's partial of column t
+            if (t < 128) {
+                c = colpart[0][t];
+#pragma unroll
+                for (int w = 1; w < 8; ++w) c = fmaxf(c, colpart[w][t]);
+            }
             if constexpr (CV_PUSH) {
                 x_wait();  // every cluster CTA's mbarrier is initialised
                 if (t < 128) {
-                    float c = colpart[0][t];
-#pragma unroll
-                    for (int w = 1; w < 8; ++w) c = fmaxf(c, colpart[w][t]);
 #pragma unroll
                     for (uint32_t q = 0; q < 4; ++q) st_async_f32(&inbox[rank][t], q, c, &bar);
                 }
                 if (t == 0) mbar_arrive_expect(&bar, 4 * 128 * 4);
                 mbar_wait(&bar, 0);
             } else {
-                if (t < 128) {
-                    float c = colpart[0][t];
-#pragma unroll
-                    for (int w = 1; w < 8; ++w) c = fmaxf(c, colpart[w][t]);
-                    part[t] = c;
-                }
+                if (t < 128) part[t] = c;
                 x_sync();
             }
             if (t < 128) {
-                float c;
-                if constexpr (CV_PUSH) {
-                    c = fmaxf(fmaxf(inbox[0][t], inbox[1][t]), fmaxf(inbox[2][t], inbox[3][t]));
-                } else {
-                    c = x_load(&part[t], 0);
-#pragma unroll
-                    for (uint32_t q = 1; q < 4; ++q) c = fmaxf(c, x_load(&part[t], q));
-                }
+                c = peers_max(t);
                 const float cs = scale_from_amax(c, fp8_max, pow2, eps, value_for_inf);
                 colscale[t] = cs;
                 if (rank == 0 && k0 + t < k) s_col[mb * s_col_cols + k0 + t] = __frcp_rn(cs);

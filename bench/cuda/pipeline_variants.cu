@@ -111,7 +111,6 @@ int main() {
     std::printf("%llu x %llu bf16\n", (unsigned long long)M, (unsigned long long)K);
     b.time_copy();
     const double in = 2.0 * n;
-    auto clear = [&] { b.clear(); };
     const unsigned tiles = (unsigned)(((M + 127) / 128) * ((K + 127) / 128));
     const size_t stage = 128 * 128 * 2 + BULK_STAGE_SLACK;
     for (int rep = 0; rep < 2; ++rep) {
@@ -119,7 +118,7 @@ int main() {
         for (int mode = 0; mode < 3; ++mode) {
             const bool two_d = mode > 0, both = mode != 1;
             for (int pipe = 0; pipe < 2; ++pipe) {
-                clear();
+                b.clear();
                 const u64 src = two_d ? (K + 127) / 128 : M, scc = two_d ? (M + 127) / 128 : K;
                 uint8_t* qc = both ? qt : nullptr;
                 float* scp = both ? sc : nullptr;
@@ -149,7 +148,7 @@ int main() {
         // Cast-transpose with a given scale (delayed scaling), with the amax.
         const Fp8Scale del{scale, nullptr, 448.0f, 0.0f, 0, 0};
         for (int pipe = 0; pipe < 2; ++pipe) {
-            clear();
+            b.clear();
             CK(cudaMemset(amax, 0, 4));
             float ms;
             if (pipe) {

@@ -22,7 +22,6 @@
 static const u64 M = env_dim("QV_M", 16384);
 static const u64 K = env_dim("QV_K", 8192);
 
-
 // The launch grid of gx x gy tiles: one CTA per tile on a 1-D grid (tile_row in
 // common.cuh); the previous kernels (OLD_KERNELS) take 2-D grids.
 static dim3 tiles(unsigned gx, unsigned gy) {
@@ -53,7 +52,6 @@ int main() {
 #endif
     b.time_copy();
     const double in = 2.0 * n;
-    auto clear = [&] { b.clear(); };
 
     // FP8 block scaling.
 #ifdef OLD_KERNELS
@@ -63,7 +61,7 @@ int main() {
 #endif
     for (int two_d = 0; two_d < 2; ++two_d) {
         for (int both = 0; both < 2; ++both) {
-            clear();
+            b.clear();
             const u64 src = two_d ? K / 128 : M, scc = two_d ? M / 128 : K;
             const float ms = time_ms([&] {
 #ifdef OLD_KERNELS
@@ -91,7 +89,7 @@ int main() {
 
     // FP8 per-tensor cast-transpose.
     {
-        clear();
+        b.clear();
 #ifdef OLD_KERNELS
         const dim3 g(M / 64, K / 64);
         const float* sa = scale;
@@ -117,7 +115,7 @@ int main() {
         const Fp8Scale cur{nullptr, amax, 448.0f, 0.0f, 0, 0};
         const int ablocks = (int)std::min<u64>(n / 8 / 256, 4ull * p.multiProcessorCount * 8);
         for (int pdl = 0; pdl < 2; ++pdl) {
-            clear();
+            b.clear();
             const float t = time_ms([&] {
                 CK(cudaMemsetAsync(amax, 0, 4));
                 tessera_amax_bf16<<<ablocks, 256>>>(x, n, amax);
@@ -139,7 +137,7 @@ int main() {
         for (int both = 0; both < 2; ++both) {
             for (int swz = 0; swz < 2; ++swz) {
                 if (two_d && swz) continue;
-                clear();
+                b.clear();
 #ifdef OLD_KERNELS
                 const dim3 g(M / 32, K / 128);
                 auto kern = tessera_mxfp8_bf16_e4m3;
@@ -168,7 +166,7 @@ int main() {
         b.report("amax", ms_a, in, {{amax, 4}});
         for (int both = 0; both < 2; ++both) {
             for (int two_d = 0; two_d < 2; ++two_d) {
-                clear();
+                b.clear();
                 Nvfp4Args a{};
                 a.m = M;
                 a.k = K;

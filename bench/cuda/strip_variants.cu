@@ -346,14 +346,13 @@ int main() {
     std::printf("%llu x %llu bf16, TQ_MINB_STRIP %d\n", (unsigned long long)M, (unsigned long long)K, TQ_MINB_STRIP);
     b.time_copy();
     const double in = 2.0 * n;
-    auto clear = [&] { b.clear(); };
     const unsigned tiles = (unsigned)((M / 128) * (K / 128)), strips = (unsigned)((M / 32) * (K / 128));
 
     // FP8 block scaling: (1x128 both), (128x128 rowwise), (128x128 both); tile then strip.
     for (int mode = 0; mode < 3; ++mode) {
         const bool two_d = mode > 0, both = mode != 1;
         for (int strip = 0; strip < 2; ++strip) {
-            clear();
+            b.clear();
             const u64 src = two_d ? K / 128 : M, scc = two_d ? M / 128 : K;
             uint8_t* qc = both ? qt : nullptr;
             float* scp = both ? sc : nullptr;
@@ -380,16 +379,16 @@ int main() {
     for (int strip = 0; strip < 2; ++strip) {
         auto kern = strip ? tessera_fp8_cast_transpose_strip_bf16_e4m3 : tessera_fp8_cast_transpose_bf16_e4m3;
         const unsigned grid = strip ? strips : tiles;
-        clear();
+        b.clear();
         const float ms = time_ms([&] { kern<<<grid, 256>>>(x, q, qt, M, K, del, sinv, nullptr); });
         b.report(strip ? "fp8 cast both, strips" : "fp8 cast both, tiles", ms, in + 2.0 * n, {{q, n}, {qt, n}});
-        clear();
+        b.clear();
         CK(cudaMemset(amax, 0, 4));
         const float ms2 = time_ms([&] { kern<<<grid, 256>>>(x, q, qt, M, K, del, sinv, amax); });
         b.report(strip ? "fp8 cast both + amax, strips" : "fp8 cast both + amax, tiles", ms2, in + 2.0 * n,
                {{q, n}, {qt, n}, {amax, 4}});
         for (int memset = 1; memset >= 0; --memset) {
-        clear();
+        b.clear();
         // Without the memset the amax keeps the last launch's (same input's) value.
         const float t = time_ms([&] {
             if (memset) CK(cudaMemsetAsync(amax, 0, 4));
