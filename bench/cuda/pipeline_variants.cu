@@ -131,7 +131,8 @@ int main() {
                         kern<<<grid, 256, stage>>>(x, M, K, 448.0f, 1, 0.0f, 3.4e38f, q, sr, src, qc, scp, scc);
                     });
                 } else {
-                    auto kern = two_d ? tessera_fp8_block_2d_bf16_e4m3 : tessera_fp8_block_1d_bf16_e4m3;
+                    auto kern = !two_d ? tessera_fp8_block_1d_bf16_e4m3
+                                : both ? tessera_fp8_block_2d_bf16_e4m3 : tessera_fp8_block_2d_row_bf16_e4m3;
                     ms = time_ms([&] {
                         kern<<<tiles, 256>>>(x, M, K, 448.0f, 1, 0.0f, 3.4e38f, two_d, q, sr, src, qc, scp, scc);
                     });

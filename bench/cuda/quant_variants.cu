@@ -46,9 +46,9 @@ int main() {
 #ifdef OLD_KERNELS
     std::printf("%s, %d SMs; previous kernels\n", p.name, p.multiProcessorCount);
 #else
-    std::printf("%s, %d SMs; TQ_MINB_TILE=%d BLOCK_ROW=%d BLOCK_1D=%d BLOCK_2D=%d MXFP8=%d\n", p.name,
+    std::printf("%s, %d SMs; TQ_MINB_TILE=%d BLOCK_ROW=%d BLOCK_1D=%d BLOCK_2D=%d BLOCK_2D_ROW=%d MXFP8=%d\n", p.name,
                 p.multiProcessorCount, TQ_MINB_TILE, TQ_MINB_BLOCK_ROW, TQ_MINB_BLOCK_1D, TQ_MINB_BLOCK_2D,
-                TQ_MINB_MXFP8);
+                TQ_MINB_BLOCK_2D_ROW, TQ_MINB_MXFP8);
 #endif
     b.time_copy();
     const double in = 2.0 * n;
@@ -68,9 +68,12 @@ int main() {
                 tessera_fp8_block_bf16_e4m3<<<gb, 256>>>(x, M, K, 448.0f, 1, 0.0f, 3.4e38f, two_d, q, sr, src,
                                                          both ? qt : nullptr, both ? sc : nullptr, scc);
 #else
-                if (two_d)
-                    tessera_fp8_block_2d_bf16_e4m3<<<gb, 256>>>(x, M, K, 448.0f, 1, 0.0f, 3.4e38f, two_d, q, sr, src,
-                                                                both ? qt : nullptr, both ? sc : nullptr, scc);
+                if (two_d && both)
+                    tessera_fp8_block_2d_bf16_e4m3<<<gb, 256>>>(x, M, K, 448.0f, 1, 0.0f, 3.4e38f, two_d, q, sr, src, qt,
+                                                                sc, scc);
+                else if (two_d)
+                    tessera_fp8_block_2d_row_bf16_e4m3<<<gb, 256>>>(x, M, K, 448.0f, 1, 0.0f, 3.4e38f, two_d, q, sr,
+                                                                    src, nullptr, nullptr, scc);
                 else if (both)
                     tessera_fp8_block_1d_bf16_e4m3<<<gb, 256>>>(x, M, K, 448.0f, 1, 0.0f, 3.4e38f, two_d, q, sr, src,
                                                                 qt, sc, scc);

@@ -161,9 +161,12 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
                                s_row_cols, q_col, s_col, s_col_cols);
 }
 
-// Three entry points with their own register budgets: rowwise-only 1x128 blocks
-// (`_row_`), 1-D blocks with a columnwise operand (`_1d_`, 128x128 tiles), and 128x128
-// tiles (`_2d_`). They share one parameter list; `two_d` is implied by the name.
+// Four entry points with their own register budgets: rowwise-only 1x128 blocks
+// (`_row_`), 1-D blocks with a columnwise operand (`_1d_`, 128x128 tiles), 128x128
+// blocks with a columnwise operand (`_2d_`) and without one (`_2d_row_`, where the
+// transposed tile and its shared memory compile away, so that 64 registers hold the
+// tile for 4 CTAs per SM). They share one parameter list; `two_d` is implied by the
+// name, and `_2d_row_` ignores q_col and s_col.
 #define BLOCK_KERNEL(SUFFIX, T, FMT, E4M3)                                                     \
     extern "C" __global__ void __launch_bounds__(256, TQ_MINB_BLOCK_ROW)                      \
         tessera_fp8_block_row_##SUFFIX##_##FMT(                                                \
@@ -188,6 +191,14 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
             uint8_t* q_col, float* s_col, u64 s_col_cols) {                                    \
         block_impl<T, E4M3, true>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,   \
                                   s_row_cols, q_col, s_col, s_col_cols);                       \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_2D_ROW) \
+        tessera_fp8_block_2d_row_##SUFFIX##_##FMT(                                             \
+            const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,         \
+            float value_for_inf, int two_d, uint8_t* q_row, float* s_row, u64 s_row_cols,      \
+            uint8_t* q_col, float* s_col, u64 s_col_cols) {                                    \
+        block_impl<T, E4M3, true>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,   \
+                                  s_row_cols, nullptr, nullptr, 0);                            \
     }
 BLOCK_KERNEL(f32, float, e4m3, true)
 BLOCK_KERNEL(f32, float, e5m2, false)

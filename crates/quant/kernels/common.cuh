@@ -26,6 +26,12 @@ typedef unsigned long long u64;
 #ifndef TQ_MINB_BLOCK_2D
 #define TQ_MINB_BLOCK_2D 3
 #endif
+// The 128x128 rowwise-only kernel has no transposed tile: 64 registers, no spills, 4
+// CTAs per SM (bench/cuda/timeline.cu: 0.975 of the 3-CTA build's time at 4096x4096 on
+// an H100, equal at 16384x8192; 5 CTAs spill and lose 15%).
+#ifndef TQ_MINB_BLOCK_2D_ROW
+#define TQ_MINB_BLOCK_2D_ROW 4
+#endif
 #ifndef TQ_MINB_MXFP8
 #define TQ_MINB_MXFP8 3
 #endif

@@ -23,9 +23,11 @@ pub(crate) fn quantize_into(
     let (m, k) = check_input(OP, x)?;
     let dev = device_of(x)?;
     // One kernel per mode (kernels/block.cu): rowwise-only 1x128 blocks on 32x128 tiles,
-    // 1-D blocks with a columnwise operand and 128x128 blocks on 128x128 tiles.
+    // 1-D blocks with a columnwise operand and 128x128 blocks with and without one on
+    // 128x128 tiles.
     let (mode, tile_rows) = match (dim, out.usage().columnwise()) {
-        (BlockDim::TwoD, _) => ("2d", 128),
+        (BlockDim::TwoD, true) => ("2d", 128),
+        (BlockDim::TwoD, false) => ("2d_row", 128),
         (BlockDim::OneD, true) => ("1d", 128),
         (BlockDim::OneD, false) => ("row", 32),
     };
