@@ -37,18 +37,26 @@ __device__ void block_row_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_
 // row group, column amaxes in registers over a thread's 4 rows, then over lanes and
 // warps; the transposed (columnwise) bytes are packed 4 rows to a word in registers and
 // staged through a swizzled shared tile for 16-byte stores. Every thread calls it; it
-// synchronises the CTA.
-template <class T, bool E4M3, bool two_d>
+// synchronises the CTA. Full: the tile passed full_tile (no bounds checks). The shared
+// memory is the caller's, so that both paths of block_impl use one copy.
+template <int V> struct BlockShared {
+    Transposed128<V>& tr;
+    float (&colpart)[8][128];
+    float (&colscale)[128];
+    float (&warpmax)[8];
+};
+template <class T, bool E4M3, bool two_d, bool Full>
 __device__ void block_tile(const Tile128<T>& x4, u64 m0, u64 k0, u64 m, u64 k, float fp8_max,
                            int pow2, float eps, float value_for_inf, uint8_t* __restrict__ q_row,
                            float* __restrict__ s_row, u64 s_row_cols, uint8_t* __restrict__ q_col,
-                           float* __restrict__ s_col, u64 s_col_cols) {
+                           float* __restrict__ s_col, u64 s_col_cols,
+                           const BlockShared<Tile128<T>::V>& sh) {
     using Tl = Tile128<T>;
     constexpr int V = Tl::V;
-    __shared__ Transposed128<V> tr;
-    __shared__ float colpart[8][128];
-    __shared__ float colscale[128];
-    __shared__ float warpmax[8];
+    auto& tr = sh.tr;
+    auto& colpart = sh.colpart;
+    auto& colscale = sh.colscale;
+    auto& warpmax = sh.warpmax;
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, rg = t >> 3, cg = t & 7;
     const u64 mb = m0 / 128, kb = k0 / 128;
     float ra[4];
@@ -97,13 +105,13 @@ __device__ void block_tile(const Tile128<T>& x4, u64 m0, u64 k0, u64 m, u64 k, f
             const u64 r = m0 + 4 * rg + i;
 #pragma unroll
             for (int l = 0; l < Tl::L; ++l)
-                store_run<V>(q_row, m, k, r, k0 + Tl::col(cg, l * V), &wr[i][l * V / 4]);
+                store_run<V, Full>(q_row, m, k, r, k0 + Tl::col(cg, l * V), &wr[i][l * V / 4]);
         }
         if (!two_d) {
             // Lane cg < 4 of a row group writes the scale of row 4*rg + cg.
             const float a = cg == 0 ? rs[0] : cg == 1 ? rs[1] : cg == 2 ? rs[2] : rs[3];
             const u64 r = m0 + 4 * rg + cg;
-            if (cg < 4 && r < m) s_row[kb * s_row_cols + r] = __frcp_rn(a);
+            if (cg < 4 && (Full || r < m)) s_row[kb * s_row_cols + r] = __frcp_rn(a);
         }
     }
     if (q_col == nullptr) return;
@@ -131,7 +139,7 @@ __device__ void block_tile(const Tile128<T>& x4, u64 m0, u64 k0, u64 m, u64 k, f
             for (int w = 1; w < 8; ++w) a = fmaxf(a, colpart[w][t]);
             const float s = scale_from_amax(a, fp8_max, pow2, eps, value_for_inf);
             colscale[t] = s;
-            if (k0 + t < k) s_col[mb * s_col_cols + k0 + t] = __frcp_rn(s);
+            if (Full || k0 + t < k) s_col[mb * s_col_cols + k0 + t] = __frcp_rn(s);
         }
         __syncthreads();
 #pragma unroll
@@ -144,21 +152,56 @@ __device__ void block_tile(const Tile128<T>& x4, u64 m0, u64 k0, u64 m, u64 k, f
         }
     }
     __syncthreads();
-    tr.store(q_col, m, k, m0, k0);
+    tr.template store<Full>(q_col, m, k, m0, k0);
+}
+
+// The checked path of block_impl, for tiles at a ragged edge or of unaligned rows: a call,
+// so that its registers (and spills, under the kernels' register caps) do not weigh on
+// the full tiles' path.
+template <class T, bool E4M3, bool two_d>
+__device__ __noinline__ void block_edge(const T* __restrict__ x, u64 m0, u64 k0, u64 m, u64 k,
+                                        float fp8_max, int pow2, float eps, float value_for_inf,
+                                        uint8_t* __restrict__ q_row, float* __restrict__ s_row,
+                                        u64 s_row_cols, uint8_t* __restrict__ q_col,
+                                        float* __restrict__ s_col, u64 s_col_cols,
+                                        const BlockShared<Tile128<T>::V>& sh) {
+    Tile128<T> x4;
+    x4.load(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
+    block_tile<T, E4M3, two_d, false>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row,
+                                      s_row, s_row_cols, q_col, s_col, s_col_cols, sh);
 }
 
 // One CTA per 128x128 tile (ceil(m/128) x ceil(k/128) tiles, tile_row; 256 threads), loaded
-// straight into registers (16-byte loads).
+// straight into registers (16-byte loads); a full tile (full_tile) takes the unchecked path.
 template <class T, bool E4M3, bool two_d>
 __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2,
                            float eps, float value_for_inf, uint8_t* __restrict__ q_row,
                            float* __restrict__ s_row, u64 s_row_cols, uint8_t* __restrict__ q_col,
                            float* __restrict__ s_col, u64 s_col_cols) {
+    constexpr int V = Tile128<T>::V;
+    __shared__ Transposed128<V> tr;
+    __shared__ float colpart[8][128];
+    __shared__ float colscale[128];
+    __shared__ float warpmax[8];
+    const BlockShared<V> sh{tr, colpart, colscale, warpmax};
     const u64 gy = (k + 127) / 128, m0 = tile_row(gy) * 128, k0 = tile_col(gy) * 128;
     Tile128<T> x4;
-    x4.load(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
-    block_tile<T, E4M3, two_d>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
-                               s_row_cols, q_col, s_col, s_col_cols);
+    if constexpr (!two_d) {
+        // 1-D blocks with a columnwise operand keep one checked path, inline: built with
+        // the full path and a call for the edges, the kernel itself spilled.
+        x4.load(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
+        block_tile<T, E4M3, two_d, false>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row,
+                                          s_row, s_row_cols, q_col, s_col, s_col_cols, sh);
+        return;
+    }
+    if (!full_tile<T>(m, k, m0, k0)) {
+        block_edge<T, E4M3, two_d>(x, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
+                                   s_row_cols, q_col, s_col, s_col_cols, sh);
+        return;
+    }
+    x4.template load<true>(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
+    block_tile<T, E4M3, two_d, true>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
+                                     s_row_cols, q_col, s_col, s_col_cols, sh);
 }
 
 // Four entry points with their own register budgets: rowwise-only 1x128 blocks

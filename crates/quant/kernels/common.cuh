@@ -10,12 +10,20 @@ typedef unsigned long long u64;
 // Minimum resident CTAs per multiprocessor asked of the compiler (the second
 // __launch_bounds__ argument) for the register-tile kernels with 2-byte inputs (f32
 // tiles take 2: 128 registers, no spills); bench/cuda/quant_variants.cu overrides them
-// to compare register budgets. On an H200 the 128x128 cast-transpose with its amax ran at
-// 0.917 of a copy with 80 registers (3 CTAs per SM) against 0.893 with 96 (2 CTAs);
-// capping the shared all-modes kernels of an earlier design at 80 or 64 registers
-// spilled and ran slower, hence one entry point per mode.
+// to compare register budgets. The 128x128 tile kernels with a transposed operand
+// (cast-transpose, FP8 block 2-D) take a tile inside the matrix with aligned rows
+// (full_tile) without bounds checks, and call a separate function for the others:
+// the checked code had held them at 80 registers (3 CTAs per SM; 64 spilled), the
+// unchecked path fits 64 without spills, and 4 CTAs per SM are 1.94 waves of the 1024
+// tiles of a 4096x4096 input instead of 2.59. On an H100 at 4096x4096 that moved the
+// cast-transpose from 0.95 to 0.985 of a copy and 128x128 both from 0.94 to 0.98, equal
+// at 16384x8192 (BENCHMARKS.md, 2026-12-05, night). The 128x128 rowwise-only kernel has
+// no transposed tile at all and fits 64 registers either way (5 CTAs per SM spill and
+// lose 15%). 1-D blocks with a columnwise operand also keep per-column scales in the
+// tile's registers: they spill at 64 (and spilled with a separate edge function even at
+// 80), so they stay at 3 with one checked path.
 #ifndef TQ_MINB_TILE
-#define TQ_MINB_TILE 3
+#define TQ_MINB_TILE 4
 #endif
 #ifndef TQ_MINB_BLOCK_ROW
 #define TQ_MINB_BLOCK_ROW 1
@@ -24,11 +32,8 @@ typedef unsigned long long u64;
 #define TQ_MINB_BLOCK_1D 3
 #endif
 #ifndef TQ_MINB_BLOCK_2D
-#define TQ_MINB_BLOCK_2D 3
+#define TQ_MINB_BLOCK_2D 4
 #endif
-// The 128x128 rowwise-only kernel has no transposed tile: 64 registers, no spills, 4
-// CTAs per SM (bench/cuda/timeline.cu: 0.975 of the 3-CTA build's time at 4096x4096 on
-// an H100, equal at 16384x8192; 5 CTAs spill and lose 15%).
 #ifndef TQ_MINB_BLOCK_2D_ROW
 #define TQ_MINB_BLOCK_2D_ROW 4
 #endif
@@ -586,6 +591,8 @@ template <class T> struct Tile128 {
     }
 
     // Loads rows m0 + 4*rg .. +3 of x [m, k] (columns from k0); zeros outside the matrix.
+    // Full: the tile is known to lie inside the matrix with k a multiple of V (no checks).
+    template <bool Full = false>
     __device__ void load(const T* __restrict__ x, u64 m, u64 k, u64 m0, u64 k0, int rg, int cg) {
         const bool vec = (k % V) == 0;
 #pragma unroll
@@ -594,7 +601,7 @@ template <class T> struct Tile128 {
 #pragma unroll
             for (int l = 0; l < L; ++l) {
                 const u64 c = k0 + l * 8 * V + cg * V;
-                if (vec && r < m && c + V <= k) {
+                if (Full || (vec && r < m && c + V <= k)) {
                     d.u[i][l] = *reinterpret_cast<const uint4*>(x + r * k + c);
                 } else {
                     d.u[i][l] = make_uint4(0u, 0u, 0u, 0u);
@@ -606,6 +613,16 @@ template <class T> struct Tile128 {
         }
     }
 };
+
+// Whether the 128x128 tile at (m0, k0) of an [m, k] matrix of T takes the kernels' Full
+// path: inside the matrix, rows in whole 16-byte vectors (k a multiple of V) and the
+// transposed rows too (m a multiple of 16). The tile kernels branch on it once, so that
+// the common tile runs without bounds checks (and their registers: the 128x128 kernels
+// keep their tile in 64 registers only on this path).
+template <class T>
+__device__ __forceinline__ bool full_tile(u64 m, u64 k, u64 m0, u64 k0) {
+    return m0 + 128 <= m && k0 + 128 <= k && (k % Tile128<T>::V) == 0 && (m % 16) == 0;
+}
 
 // 4x4 byte transpose: out[b] byte i = in[i] byte b.
 __device__ __forceinline__ void transpose4x4(const uint32_t* in, uint32_t* out) {
@@ -662,9 +679,11 @@ template <class T> struct Row16 {
 };
 
 // 16 bytes v (little-endian words) into row gk of qt [k, m] at column gm (a multiple of
-// 16, below m): one vector store when m is a multiple of 16, else the bytes below m.
+// 16, below m): one vector store when m is a multiple of 16 (known when Full), else the
+// bytes below m.
+template <bool Full = false>
 __device__ __forceinline__ void store16_t(uint8_t* __restrict__ qt, u64 m, u64 gk, u64 gm, uint4 v) {
-    if ((m % 16) == 0) {
+    if (Full || (m % 16) == 0) {
         *reinterpret_cast<uint4*>(qt + gk * m + gm) = v;
     } else {
         const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
@@ -686,25 +705,28 @@ template <int V> struct __align__(16) Transposed128 {
     __device__ static int swz(int c) { return ((c / V) & 7) << 2; }
     __device__ void put(int c, int g, uint32_t v) { w[c][g ^ swz(c)] = v; }
     // Writes the staged tile to qt [k, m] at (k0, m0): 16 bytes per thread and step.
+    // Full: the tile lies inside the matrix and m is a multiple of 16 (no checks).
+    template <bool Full = false>
     __device__ void store(uint8_t* __restrict__ qt, u64 m, u64 k, u64 m0, u64 k0) const {
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
             const int idx = threadIdx.x + 256 * p;
             const int c = idx / 8, q = idx % 8;
             const u64 gk = k0 + c, gm = m0 + 16 * q;
-            if (gk >= k || gm >= m) continue;
-            store16_t(qt, m, gk, gm, *reinterpret_cast<const uint4*>(&w[c][(4 * q) ^ swz(c)]));
+            if (!Full && (gk >= k || gm >= m)) continue;
+            store16_t<Full>(qt, m, gk, gm, *reinterpret_cast<const uint4*>(&w[c][(4 * q) ^ swz(c)]));
         }
     }
 };
 
 // Stores the bytes of row r, element run l (V bytes, packed little-endian in `w`, V/4
-// words) of a 128x128 tile at q [m, k], column c (vector store when aligned).
-template <int V>
+// words) of a 128x128 tile at q [m, k], column c (vector store when aligned). Full: the
+// run is known to lie inside the matrix with k a multiple of V (no checks).
+template <int V, bool Full = false>
 __device__ __forceinline__ void store_run(uint8_t* __restrict__ q, u64 m, u64 k, u64 r, u64 c,
                                           const uint32_t* w) {
-    if (r >= m) return;
-    if ((k % V) == 0 && c + V <= k) {
+    if (!Full && r >= m) return;
+    if (Full || ((k % V) == 0 && c + V <= k)) {
         if constexpr (V == 8) {
             *reinterpret_cast<uint2*>(q + r * k + c) = make_uint2(w[0], w[1]);
         } else if constexpr (V == 4) {
