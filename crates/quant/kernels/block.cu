@@ -187,11 +187,17 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
     const u64 gy = (k + 127) / 128, m0 = tile_row(gy) * 128, k0 = tile_col(gy) * 128;
     Tile128<T> x4;
     if constexpr (!two_d) {
-        // 1-D blocks with a columnwise operand keep one checked path, inline: built with
-        // the full path and a call for the edges, the kernel itself spilled.
-        x4.load(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
-        block_tile<T, E4M3, two_d, false>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row,
-                                          s_row, s_row_cols, q_col, s_col, s_col_cols, sh);
+        // 1-D blocks with a columnwise operand take both paths inline: with a call for the
+        // edges the kernel itself spilled.
+        if (full_tile<T>(m, k, m0, k0)) {
+            x4.template load<true>(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
+            block_tile<T, E4M3, two_d, true>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row,
+                                             s_row, s_row_cols, q_col, s_col, s_col_cols, sh);
+        } else {
+            x4.load(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
+            block_tile<T, E4M3, two_d, false>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row,
+                                              s_row, s_row_cols, q_col, s_col, s_col_cols, sh);
+        }
         return;
     }
     if (!full_tile<T>(m, k, m0, k0)) {

@@ -19,9 +19,10 @@ typedef unsigned long long u64;
 // cast-transpose from 0.95 to 0.985 of a copy and 128x128 both from 0.94 to 0.98, equal
 // at 16384x8192 (BENCHMARKS.md, 2026-12-05, night). The 128x128 rowwise-only kernel has
 // no transposed tile at all and fits 64 registers either way (5 CTAs per SM spill and
-// lose 15%). 1-D blocks with a columnwise operand also keep per-column scales in the
-// tile's registers: they spill at 64 (and spilled with a separate edge function even at
-// 80), so they stay at 3 with one checked path.
+// lose 15%). 1-D blocks with a columnwise operand need more live values (the column
+// maxima and scales next to the tile): they spill at 64 registers, and with a separate
+// edge function even at 80, so they stay at 3 CTAs per SM with both paths inline (the
+// full path alone moved them from 0.90 to 0.94-0.97 of a copy at 4096x4096, H100).
 #ifndef TQ_MINB_TILE
 #define TQ_MINB_TILE 4
 #endif
