@@ -45,6 +45,15 @@ template <int V> struct BlockShared {
     float (&colscale)[128];
     float (&warpmax)[8];
 };
+// The tile kernels' shared memory for inputs of T, one copy per kernel (what a kernel
+// does not touch is not allocated).
+template <class T> __device__ __forceinline__ BlockShared<Tile128<T>::V> block_shared() {
+    __shared__ Transposed128<Tile128<T>::V> tr;
+    __shared__ float colpart[8][128];
+    __shared__ float colscale[128];
+    __shared__ float warpmax[8];
+    return {tr, colpart, colscale, warpmax};
+}
 template <class T, bool E4M3, bool two_d, bool Full>
 __device__ void block_tile(const Tile128<T>& x4, u64 m0, u64 k0, u64 m, u64 k, float fp8_max,
                            int pow2, float eps, float value_for_inf, uint8_t* __restrict__ q_row,
@@ -155,9 +164,23 @@ __device__ void block_tile(const Tile128<T>& x4, u64 m0, u64 k0, u64 m, u64 k, f
     tr.template store<Full>(q_col, m, k, m0, k0);
 }
 
-// The checked path of block_impl, for tiles at a ragged edge or of unaligned rows: a call,
-// so that its registers (and spills, under the kernels' register caps) do not weigh on
-// the full tiles' path.
+// Loads the tile at (m0, k0) and quantizes it (block_tile), checked or (Full) not.
+template <class T, bool E4M3, bool two_d, bool Full>
+__device__ __forceinline__ void block_at(const T* __restrict__ x, u64 m0, u64 k0, u64 m, u64 k,
+                                         float fp8_max, int pow2, float eps, float value_for_inf,
+                                         uint8_t* __restrict__ q_row, float* __restrict__ s_row,
+                                         u64 s_row_cols, uint8_t* __restrict__ q_col,
+                                         float* __restrict__ s_col, u64 s_col_cols,
+                                         const BlockShared<Tile128<T>::V>& sh) {
+    Tile128<T> x4;
+    x4.template load<Full>(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
+    block_tile<T, E4M3, two_d, Full>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
+                                     s_row_cols, q_col, s_col, s_col_cols, sh);
+}
+
+// The checked path of the 2-D kernels, for tiles at a ragged edge or of unaligned rows: a
+// call, so that its registers (and spills, under the kernels' register caps) do not
+// weigh on the full tiles' path.
 template <class T, bool E4M3, bool two_d>
 __device__ __noinline__ void block_edge(const T* __restrict__ x, u64 m0, u64 k0, u64 m, u64 k,
                                         float fp8_max, int pow2, float eps, float value_for_inf,
@@ -165,49 +188,30 @@ __device__ __noinline__ void block_edge(const T* __restrict__ x, u64 m0, u64 k0,
                                         u64 s_row_cols, uint8_t* __restrict__ q_col,
                                         float* __restrict__ s_col, u64 s_col_cols,
                                         const BlockShared<Tile128<T>::V>& sh) {
-    Tile128<T> x4;
-    x4.load(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
-    block_tile<T, E4M3, two_d, false>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row,
-                                      s_row, s_row_cols, q_col, s_col, s_col_cols, sh);
+    block_at<T, E4M3, two_d, false>(x, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
+                                    s_row_cols, q_col, s_col, s_col_cols, sh);
 }
 
 // One CTA per 128x128 tile (ceil(m/128) x ceil(k/128) tiles, tile_row; 256 threads), loaded
-// straight into registers (16-byte loads); a full tile (full_tile) takes the unchecked path.
+// straight into registers (16-byte loads); a full tile (full_tile) takes the unchecked
+// path. 1-D blocks with a columnwise operand keep their checked path inline: with a call
+// for the edges the kernel itself spilled.
 template <class T, bool E4M3, bool two_d>
 __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2,
                            float eps, float value_for_inf, uint8_t* __restrict__ q_row,
                            float* __restrict__ s_row, u64 s_row_cols, uint8_t* __restrict__ q_col,
                            float* __restrict__ s_col, u64 s_col_cols) {
-    constexpr int V = Tile128<T>::V;
-    __shared__ Transposed128<V> tr;
-    __shared__ float colpart[8][128];
-    __shared__ float colscale[128];
-    __shared__ float warpmax[8];
-    const BlockShared<V> sh{tr, colpart, colscale, warpmax};
+    const auto sh = block_shared<T>();
     const u64 gy = (k + 127) / 128, m0 = tile_row(gy) * 128, k0 = tile_col(gy) * 128;
-    Tile128<T> x4;
-    if constexpr (!two_d) {
-        // 1-D blocks with a columnwise operand take both paths inline: with a call for the
-        // edges the kernel itself spilled.
-        if (full_tile<T>(m, k, m0, k0)) {
-            x4.template load<true>(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
-            block_tile<T, E4M3, two_d, true>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row,
-                                             s_row, s_row_cols, q_col, s_col, s_col_cols, sh);
-        } else {
-            x4.load(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
-            block_tile<T, E4M3, two_d, false>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row,
-                                              s_row, s_row_cols, q_col, s_col, s_col_cols, sh);
-        }
-        return;
-    }
-    if (!full_tile<T>(m, k, m0, k0)) {
+    if (full_tile<T>(m, k, m0, k0))
+        block_at<T, E4M3, two_d, true>(x, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
+                                       s_row_cols, q_col, s_col, s_col_cols, sh);
+    else if constexpr (two_d)
         block_edge<T, E4M3, two_d>(x, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
                                    s_row_cols, q_col, s_col, s_col_cols, sh);
-        return;
-    }
-    x4.template load<true>(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
-    block_tile<T, E4M3, two_d, true>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
-                                     s_row_cols, q_col, s_col, s_col_cols, sh);
+    else
+        block_at<T, E4M3, two_d, false>(x, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
+                                        s_row_cols, q_col, s_col, s_col_cols, sh);
 }
 
 // Four entry points with their own register budgets: rowwise-only 1x128 blocks
@@ -216,36 +220,28 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
 // transposed tile and its shared memory compile away, so that 64 registers hold the
 // tile for 4 CTAs per SM). They share one parameter list; `two_d` is implied by the
 // name, and `_2d_row_` ignores q_col and s_col.
+#define BLOCK_PARAMS(T)                                                                        \
+    const T *__restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,                 \
+        float value_for_inf, int two_d, uint8_t *q_row, float *s_row, u64 s_row_cols,          \
+        uint8_t *q_col, float *s_col, u64 s_col_cols
 #define BLOCK_KERNEL(SUFFIX, T, FMT, E4M3)                                                     \
     extern "C" __global__ void __launch_bounds__(256, TQ_MINB_BLOCK_ROW)                      \
-        tessera_fp8_block_row_##SUFFIX##_##FMT(                                                \
-            const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,         \
-            float value_for_inf, int two_d, uint8_t* q_row, float* s_row, u64 s_row_cols,      \
-            uint8_t* q_col, float* s_col, u64 s_col_cols) {                                    \
+        tessera_fp8_block_row_##SUFFIX##_##FMT(BLOCK_PARAMS(T)) {                              \
         block_row_impl<T, E4M3>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,     \
                                 s_row_cols);                                                   \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_1D)  \
-        tessera_fp8_block_1d_##SUFFIX##_##FMT(                                                 \
-            const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,         \
-            float value_for_inf, int two_d, uint8_t* q_row, float* s_row, u64 s_row_cols,      \
-            uint8_t* q_col, float* s_col, u64 s_col_cols) {                                    \
+        tessera_fp8_block_1d_##SUFFIX##_##FMT(BLOCK_PARAMS(T)) {                               \
         block_impl<T, E4M3, false>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,  \
                                    s_row_cols, q_col, s_col, s_col_cols);                      \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_2D)  \
-        tessera_fp8_block_2d_##SUFFIX##_##FMT(                                                 \
-            const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,         \
-            float value_for_inf, int two_d, uint8_t* q_row, float* s_row, u64 s_row_cols,      \
-            uint8_t* q_col, float* s_col, u64 s_col_cols) {                                    \
+        tessera_fp8_block_2d_##SUFFIX##_##FMT(BLOCK_PARAMS(T)) {                               \
         block_impl<T, E4M3, true>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,   \
                                   s_row_cols, q_col, s_col, s_col_cols);                       \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_2D_ROW) \
-        tessera_fp8_block_2d_row_##SUFFIX##_##FMT(                                             \
-            const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,         \
-            float value_for_inf, int two_d, uint8_t* q_row, float* s_row, u64 s_row_cols,      \
-            uint8_t* q_col, float* s_col, u64 s_col_cols) {                                    \
+        tessera_fp8_block_2d_row_##SUFFIX##_##FMT(BLOCK_PARAMS(T)) {                           \
         block_impl<T, E4M3, true>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,   \
                                   s_row_cols, nullptr, nullptr, 0);                            \
     }
