@@ -46,9 +46,9 @@ int main() {
 #ifdef OLD_KERNELS
     std::printf("%s, %d SMs; previous kernels\n", p.name, p.multiProcessorCount);
 #else
-    std::printf("%s, %d SMs; TQ_MINB_TILE=%d BLOCK_ROW=%d BLOCK_1D=%d BLOCK_2D=%d BLOCK_2D_ROW=%d MXFP8=%d\n", p.name,
+    std::printf("%s, %d SMs; TQ_MINB_TILE=%d BLOCK_ROW=%d BLOCK_1D=%d BLOCK_2D=%d MXFP8=%d\n", p.name,
                 p.multiProcessorCount, TQ_MINB_TILE, TQ_MINB_BLOCK_ROW, TQ_MINB_BLOCK_1D, TQ_MINB_BLOCK_2D,
-                TQ_MINB_BLOCK_2D_ROW, TQ_MINB_MXFP8);
+                TQ_MINB_MXFP8);
 #endif
     b.time_copy();
     const double in = 2.0 * n;

@@ -217,8 +217,7 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
 // Four entry points with their own register budgets: rowwise-only 1x128 blocks
 // (`_row_`), 1-D blocks with a columnwise operand (`_1d_`, 128x128 tiles), 128x128
 // blocks with a columnwise operand (`_2d_`) and without one (`_2d_row_`, where the
-// transposed tile and its shared memory compile away, so that 64 registers hold the
-// tile for 4 CTAs per SM). They share one parameter list; `two_d` is implied by the
+// transposed tile and its 16 KiB of shared memory compile away). They share one parameter list; `two_d` is implied by the
 // name, and `_2d_row_` ignores q_col and s_col.
 #define BLOCK_PARAMS(T)                                                                        \
     const T *__restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,                 \
@@ -240,7 +239,7 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
         block_impl<T, E4M3, true>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,   \
                                   s_row_cols, q_col, s_col, s_col_cols);                       \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_2D_ROW) \
+    extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_2D)  \
         tessera_fp8_block_2d_row_##SUFFIX##_##FMT(BLOCK_PARAMS(T)) {                           \
         block_impl<T, E4M3, true>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,   \
                                   s_row_cols, nullptr, nullptr, 0);                            \

@@ -17,9 +17,9 @@ typedef unsigned long long u64;
 // unchecked path fits 64 without spills, and 4 CTAs per SM are 1.94 waves of the 1024
 // tiles of a 4096x4096 input instead of 2.59. On an H100 at 4096x4096 that moved the
 // cast-transpose from 0.95 to 0.985 of a copy and 128x128 both from 0.94 to 0.98, equal
-// at 16384x8192 (BENCHMARKS.md, 2026-12-05, night). The 128x128 rowwise-only kernel has
-// no transposed tile at all and fits 64 registers either way (5 CTAs per SM spill and
-// lose 15%). 1-D blocks with a columnwise operand need more live values (the column
+// at 16384x8192 (BENCHMARKS.md, 2026-12-05, night). TQ_MINB_BLOCK_2D serves both 2-D
+// entry points; the rowwise-only one has no transposed tile at all and fits 64
+// registers either way (5 CTAs per SM spill and lose 15%). 1-D blocks with a columnwise operand need more live values (the column
 // maxima and scales next to the tile): they spill at 64 registers, and with a separate
 // edge function even at 80, so they stay at 3 CTAs per SM with both paths inline (the
 // full path alone moved them from 0.90 to 0.94-0.97 of a copy at 4096x4096, H100).
@@ -34,9 +34,6 @@ typedef unsigned long long u64;
 #endif
 #ifndef TQ_MINB_BLOCK_2D
 #define TQ_MINB_BLOCK_2D 4
-#endif
-#ifndef TQ_MINB_BLOCK_2D_ROW
-#define TQ_MINB_BLOCK_2D_ROW 4
 #endif
 #ifndef TQ_MINB_MXFP8
 #define TQ_MINB_MXFP8 3
