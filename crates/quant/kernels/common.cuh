@@ -10,19 +10,22 @@ typedef unsigned long long u64;
 // Minimum resident CTAs per multiprocessor asked of the compiler (the second
 // __launch_bounds__ argument) for the register-tile kernels with 2-byte inputs (f32
 // tiles take 2: 128 registers, no spills); bench/cuda/quant_variants.cu overrides them
-// to compare register budgets. The 128x128 tile kernels with a transposed operand
-// (cast-transpose, FP8 block 2-D) take a tile inside the matrix with aligned rows
-// (full_tile) without bounds checks, and call a separate function for the others:
-// the checked code had held them at 80 registers (3 CTAs per SM; 64 spilled), the
-// unchecked path fits 64 without spills, and 4 CTAs per SM are 1.94 waves of the 1024
-// tiles of a 4096x4096 input instead of 2.59. On an H100 at 4096x4096 that moved the
-// cast-transpose from 0.95 to 0.985 of a copy and 128x128 both from 0.94 to 0.98, equal
-// at 16384x8192 (BENCHMARKS.md, 2026-12-05, night). TQ_MINB_BLOCK_2D serves both 2-D
-// entry points; the rowwise-only one has no transposed tile at all and fits 64
-// registers either way (5 CTAs per SM spill and lose 15%). 1-D blocks with a columnwise operand need more live values (the column
-// maxima and scales next to the tile): they spill at 64 registers, and with a separate
-// edge function even at 80, so they stay at 3 CTAs per SM with both paths inline (the
-// full path alone moved them from 0.90 to 0.94-0.97 of a copy at 4096x4096, H100).
+// to compare register budgets.
+// - The 128x128 tile kernels with a transposed operand (cast-transpose, FP8 block 2-D)
+//   take a tile inside the matrix with aligned rows (full_tile) without bounds checks,
+//   and call a separate function for the others. The checked code had held them at 80
+//   registers (3 CTAs per SM; 64 spilled); the unchecked path fits 64 without spills,
+//   and 4 CTAs per SM are 1.94 waves of the 1024 tiles of a 4096x4096 input instead of
+//   2.59. On an H200 at 4096x4096 that moved the cast-transpose from 0.91 to 0.98 of a
+//   copy and 128x128 both from 0.89 to 0.97; at 16384x8192 128x128 both stayed equal
+//   and the cast-transpose lost 0.007 (BENCHMARKS.md, "The night's kernels on an H200").
+// - TQ_MINB_BLOCK_2D serves both 2-D entry points; the rowwise-only one has no
+//   transposed tile at all and fits 64 registers either way (5 CTAs per SM spill and
+//   lose 15%).
+// - 1-D blocks with a columnwise operand need more live values (the column maxima and
+//   scales next to the tile): they spill at 64 registers, and with a separate edge
+//   function even at 80, so they stay at 3 CTAs per SM with both paths inline (the full
+//   path alone moved them from 0.83 to 0.91 of a copy at 4096x4096 on an H200).
 #ifndef TQ_MINB_TILE
 #define TQ_MINB_TILE 4
 #endif
