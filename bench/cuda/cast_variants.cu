@@ -1,6 +1,7 @@
 // Variants of the FP8 per-tensor rowwise cast with its amax (delayed scaling's cast;
-// `tessera_fp8_cast_*` in crates/quant/kernels/fp8.cu), not shipped: steps per thread
-// and how the CTA folds its amax before the one atomic. Every variant's bytes and amax
+// `tessera_fp8_cast_*` in crates/quant/kernels/fp8.cu), not shipped: steps per thread,
+// input loads issued before or after the scale's, and how the CTA folds its amax before
+// the one atomic. Every variant's bytes and amax
 // are hashed, so each must agree with the shipped kernel. MXFP8 rowwise (no amax) runs
 // beside them as the kernel of the same shape and traffic without a reduction.
 // Aimed at the rowwise cast at 4096x4096, 0.91 of a copy on an H200 where MXFP8 rowwise
@@ -30,24 +31,25 @@ enum Fold {
 };
 
 // The shipped cast with U steps of 16 elements per thread per round, every load of a
-// round issued before any is converted; the maximum folded as F says.
-template <int U, int F>
+// round issued before any is converted; the maximum folded as F says. With Early, the
+// first round's loads go out before pdl_wait and the scale's load: the shipped kernel
+// waits for the scale (one more memory latency) before it issues any input load, where
+// the cast-transpose loads its tile first. (Allowed by launch_params' contract: before
+// pdl_wait a kernel after the amax pass may read the input, and an ordinary launch
+// starts after the kernel before it anyway.)
+template <int U, int F, bool Early>
 __global__ void __launch_bounds__(256) cast_var(const __nv_bfloat16* __restrict__ x, uint8_t* __restrict__ q, u64 n,
                                                 const Fp8Scale sa, float* __restrict__ scale_inv,
                                                 float* __restrict__ amax) {
     using T = __nv_bfloat16;
+    union In16 {
+        uint4 v[2];
+        T e[16];
+    };
     __shared__ float smem[32];
-    pdl_wait();
-    const float scale = cast_scale(sa);
     const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (tid == 0) scale_inv[0] = __frcp_rn(scale);
     const u64 steps = n / 16, threads = (u64)gridDim.x * blockDim.x;
-    float m = 0.0f;
-    for (u64 i0 = tid; i0 < steps; i0 += U * threads) {
-        union {
-            uint4 v[2];
-            T e[16];
-        } u[U];
+    auto load = [&](u64 i0, In16* u) {
 #pragma unroll
         for (int r = 0; r < U; ++r) {
             const u64 s = i0 + r * threads;
@@ -56,6 +58,15 @@ __global__ void __launch_bounds__(256) cast_var(const __nv_bfloat16* __restrict_
                 u[r].v[1] = reinterpret_cast<const uint4*>(x)[2 * s + 1];
             }
         }
+    };
+    In16 u[U];
+    if (Early) load(tid, u);
+    pdl_wait();
+    const float scale = cast_scale(sa);
+    if (tid == 0) scale_inv[0] = __frcp_rn(scale);
+    float m = 0.0f;
+    for (u64 i0 = tid; i0 < steps; i0 += U * threads) {
+        if (!Early || i0 != tid) load(i0, u);
 #pragma unroll
         for (int r = 0; r < U; ++r) {
             const u64 s = i0 + r * threads;
@@ -119,14 +130,19 @@ int main() {
         std::printf("-- pass %d\n", pass);
         run("shipped", tessera_fp8_cast_bf16_e4m3, 1, true);
         run("shipped, no amax", tessera_fp8_cast_bf16_e4m3, 1, false);
-        run("1 step, block_max", cast_var<1, kBlockMax>, 1, true);
-        run("1 step, one barrier", cast_var<1, kOneBarrier>, 1, true);
-        run("1 step, atomic per warp", cast_var<1, kPerWarp>, 1, true);
-        run("2 steps, block_max", cast_var<2, kBlockMax>, 2, true);
-        run("2 steps, one barrier", cast_var<2, kOneBarrier>, 2, true);
-        run("2 steps, atomic per warp", cast_var<2, kPerWarp>, 2, true);
-        run("4 steps, one barrier", cast_var<4, kOneBarrier>, 4, true);
-        run("4 steps, atomic per warp", cast_var<4, kPerWarp>, 4, true);
+        run("1 step, block_max", cast_var<1, kBlockMax, false>, 1, true);
+        run("1 step, one barrier", cast_var<1, kOneBarrier, false>, 1, true);
+        run("1 step, atomic per warp", cast_var<1, kPerWarp, false>, 1, true);
+        run("1 step, early, block_max", cast_var<1, kBlockMax, true>, 1, true);
+        run("1 step, early, one barrier", cast_var<1, kOneBarrier, true>, 1, true);
+        run("1 step, early, no amax", cast_var<1, kOneBarrier, true>, 1, false);
+        run("2 steps, block_max", cast_var<2, kBlockMax, false>, 2, true);
+        run("2 steps, one barrier", cast_var<2, kOneBarrier, false>, 2, true);
+        run("2 steps, early, one barrier", cast_var<2, kOneBarrier, true>, 2, true);
+        run("2 steps, atomic per warp", cast_var<2, kPerWarp, false>, 2, true);
+        run("4 steps, one barrier", cast_var<4, kOneBarrier, false>, 4, true);
+        run("4 steps, early, one barrier", cast_var<4, kOneBarrier, true>, 4, true);
+        run("4 steps, atomic per warp", cast_var<4, kPerWarp, false>, 4, true);
         // MXFP8 rowwise: 32x128 tiles, one per CTA, no amax.
         b.clear();
         const dim3 g((unsigned)((M / 32) * (K / 128)));
