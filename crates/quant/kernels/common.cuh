@@ -51,7 +51,11 @@ typedef unsigned long long u64;
 // writes are visible; what a kernel does before it may only read memory the earlier
 // kernel does not write (the second passes of the quantizers load their tile of the
 // input, which the amax pass only reads). Both are no-ops in a kernel launched the
-// ordinary way.
+// ordinary way. As ptxas (CUDA 13.0) compiles them, though, the wait is scheduled ahead
+// of loads that precede it in the same basic block (delaying a load past it is legal;
+// SASS: ACQBULK before the first LDG in the NVFP4 and cast-transpose kernels), so the
+// tile loads go out after the wait: what the programmatic launch buys is CTAs resident
+// before the amax pass ends, not loads in flight during its tail.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
