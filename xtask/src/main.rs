@@ -5,9 +5,11 @@
 //! - `test-gpu`: run the GPU tests (the `#[ignore]`d ones), or with `--bundle DIR` build
 //!   them into a directory that runs on a GPU machine without cargo.
 //! - `bench-gpu`: run the GPU benchmarks (table + JSON), or bundle them likewise.
+//! - `bench-compare`: two builds' benchmark JSON side by side, as a Markdown table.
 //! - `ci`: what `.ci/run` runs.
 
 mod bundle;
+mod compare;
 mod ptx;
 
 use std::path::{Path, PathBuf};
@@ -60,6 +62,21 @@ enum Cmd {
         #[arg(long, default_value = "target/bench-gpu")]
         json_dir: PathBuf,
     },
+    /// Compare the JSON of two builds' GPU benchmark runs (each run once or more, best
+    /// alternated in one device call): one Markdown row per shape and kernel with every
+    /// run's ratio to copy (and to its floor), and the change of the median time.
+    BenchCompare {
+        /// JSON files of the baseline build, one per run.
+        #[arg(long, required = true, num_args = 1..)]
+        base: Vec<PathBuf>,
+        /// JSON files of the build under test, one per run.
+        #[arg(long = "new", required = true, num_args = 1..)]
+        new: Vec<PathBuf>,
+        /// Leave out rows whose median time changed by less than this fraction (0.01:
+        /// 1%); rows of one build only are always shown.
+        #[arg(long, default_value_t = 0.0)]
+        min_change: f64,
+    },
     /// fmt check, clippy -D warnings, the tests, and builds with and without `cuda`.
     Ci,
 }
@@ -106,6 +123,11 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
+        Cmd::BenchCompare {
+            base,
+            new,
+            min_change,
+        } => compare::run(&base, &new, min_change),
         Cmd::Ci => {
             let mut c = Command::new(root.join(".ci/run"));
             c.current_dir(&root);

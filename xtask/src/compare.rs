@@ -1,0 +1,240 @@
+//! `bench-compare`: the JSON of two builds' `bench-gpu` runs side by side.
+//!
+//! A kernel change is judged by running the benchmark of both builds in one device call,
+//! alternated, and comparing row by row; this prints that comparison as the Markdown
+//! table BENCHMARKS.md uses. Rows are matched by shape and kernel name; each side shows
+//! every run's ratio to copy (and to its floor where the row has one that differs), and
+//! the last column the change of the median time (negative: the new build is faster).
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+
+/// One row of one run: its ratios and time.
+#[derive(Clone, Debug, PartialEq)]
+struct Sample {
+    of_copy: f64,
+    of_floor: Option<f64>,
+    ms: f64,
+}
+
+/// Every row of a build's runs, in the order the first run listed them: (shape, kernel)
+/// and that row's samples, one per run that has it.
+#[derive(Debug, Default)]
+struct Build {
+    order: Vec<(String, String)>,
+    rows: BTreeMap<(String, String), Vec<Sample>>,
+}
+
+impl Build {
+    fn add_run(&mut self, json: &str, path: &Path) -> Result<()> {
+        let v: serde_json::Value =
+            serde_json::from_str(json).with_context(|| format!("{}: not JSON", path.display()))?;
+        let Some(rows) = v.get("rows").and_then(|r| r.as_array()) else {
+            bail!(
+                "{}: expected an object with a \"rows\" array (the output of a GPU bench's --json)",
+                path.display()
+            );
+        };
+        for (i, r) in rows.iter().enumerate() {
+            let field = |name: &str| {
+                r.get(name).and_then(|x| x.as_f64()).with_context(|| {
+                    format!("{}: row {i} has no number \"{name}\"", path.display())
+                })
+            };
+            let kernel = r
+                .get("kernel")
+                .and_then(|k| k.as_str())
+                .with_context(|| format!("{}: row {i} has no string \"kernel\"", path.display()))?;
+            let shape = r.get("shape").and_then(|s| s.as_str()).unwrap_or("");
+            let key = (shape.to_owned(), kernel.to_owned());
+            let sample = Sample {
+                of_copy: field("of_copy")?,
+                of_floor: r.get("of_floor").and_then(|x| x.as_f64()),
+                ms: field("ms")?,
+            };
+            if !self.rows.contains_key(&key) {
+                self.order.push(key.clone());
+            }
+            self.rows.entry(key).or_default().push(sample);
+        }
+        Ok(())
+    }
+
+    fn read(paths: &[PathBuf]) -> Result<Self> {
+        let mut b = Build::default();
+        for p in paths {
+            let json =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            b.add_run(&json, p)?;
+        }
+        Ok(b)
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// A side's cell: the runs' ratios to copy, then to floor where any run's floor differs
+/// from its copy ratio (the two-pass rows), or "-" without samples.
+fn cell(samples: Option<&Vec<Sample>>) -> String {
+    let Some(s) = samples.filter(|s| !s.is_empty()) else {
+        return "-".into();
+    };
+    let join = |f: &dyn Fn(&Sample) -> f64| {
+        s.iter()
+            .map(|x| format!("{:.3}", f(x)))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    };
+    let mut out = join(&|x| x.of_copy);
+    if s.iter()
+        .any(|x| x.of_floor.is_some_and(|f| (f - x.of_copy).abs() > 5e-4))
+    {
+        write!(
+            out,
+            " (floor {})",
+            join(&|x| x.of_floor.unwrap_or(f64::NAN))
+        )
+        .unwrap();
+    }
+    out
+}
+
+/// The comparison table of `base` against `new`; rows whose median time changed by
+/// less than `min_change` (a fraction) are left out, rows of one side only never are.
+fn table(base: &Build, new: &Build, min_change: f64) -> String {
+    let mut keys = base.order.clone();
+    keys.extend(
+        new.order
+            .iter()
+            .filter(|k| !base.rows.contains_key(*k))
+            .cloned(),
+    );
+    let mut out = String::from(
+        "| shape | kernel | base | new | median ms change |\n|---|---|---:|---:|---:|\n",
+    );
+    for key in keys {
+        let (b, n) = (base.rows.get(&key), new.rows.get(&key));
+        let change = match (b, n) {
+            (Some(b), Some(n)) if !b.is_empty() && !n.is_empty() => {
+                let mb = median(b.iter().map(|s| s.ms).collect());
+                let mn = median(n.iter().map(|s| s.ms).collect());
+                Some(mn / mb - 1.0)
+            }
+            _ => None,
+        };
+        if change.is_some_and(|c| c.abs() < min_change) {
+            continue;
+        }
+        let change = change.map_or("-".into(), |c| format!("{:+.1}%", 100.0 * c));
+        writeln!(
+            out,
+            "| {} | {} | {} | {} | {change} |",
+            key.0,
+            key.1,
+            cell(b),
+            cell(n)
+        )
+        .unwrap();
+    }
+    out
+}
+
+/// Prints the table of the `base` runs against the `new` runs.
+pub(crate) fn run(base: &[PathBuf], new: &[PathBuf], min_change: f64) -> Result<()> {
+    if !(0.0..1.0).contains(&min_change) {
+        bail!("--min-change {min_change}: expected a fraction in [0, 1), e.g. 0.01 for 1%");
+    }
+    let (b, n) = (Build::read(base)?, Build::read(new)?);
+    print!("{}", table(&b, &n, min_change));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn build(runs: &[&str]) -> Build {
+        let mut b = Build::default();
+        for r in runs {
+            b.add_run(r, Path::new("run.json")).unwrap();
+        }
+        b
+    }
+
+    const BASE_1: &str = r#"{"rows": [
+        {"shape": "[4, 4]", "kernel": "copy", "ms": 1.0, "of_copy": 1.0, "of_floor": 1.0},
+        {"shape": "[4, 4]", "kernel": "two-pass", "ms": 2.0, "of_copy": 0.5, "of_floor": 0.9}
+    ]}"#;
+    const BASE_2: &str = r#"{"rows": [
+        {"shape": "[4, 4]", "kernel": "copy", "ms": 1.0, "of_copy": 1.0, "of_floor": 1.0},
+        {"shape": "[4, 4]", "kernel": "two-pass", "ms": 2.2, "of_copy": 0.45, "of_floor": 0.8}
+    ]}"#;
+    const NEW_1: &str = r#"{"rows": [
+        {"shape": "[4, 4]", "kernel": "copy", "ms": 1.0, "of_copy": 1.0, "of_floor": 1.0},
+        {"shape": "[4, 4]", "kernel": "two-pass", "ms": 1.0, "of_copy": 1.0, "of_floor": 1.8},
+        {"kernel": "only new", "ms": 3.0, "of_copy": 0.3}
+    ]}"#;
+
+    #[test]
+    fn rows_pair_by_shape_and_kernel_with_every_run_and_the_median_change() {
+        let t = table(&build(&[BASE_1, BASE_2]), &build(&[NEW_1]), 0.0);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 5, "{t}");
+        assert_eq!(
+            lines[2],
+            "| [4, 4] | copy | 1.000 / 1.000 | 1.000 | +0.0% |"
+        );
+        // median of 2.0 and 2.2 is 2.1; 1.0 / 2.1 - 1 = -52.4%
+        assert_eq!(
+            lines[3],
+            "| [4, 4] | two-pass | 0.500 / 0.450 (floor 0.900 / 0.800) | 1.000 (floor 1.800) | -52.4% |"
+        );
+        assert_eq!(lines[4], "|  | only new | - | 0.300 | - |");
+    }
+
+    #[test]
+    fn min_change_leaves_out_unchanged_rows_but_not_one_sided_ones() {
+        let t = table(&build(&[BASE_1]), &build(&[NEW_1]), 0.01);
+        assert!(!t.contains("| copy |"), "{t}");
+        assert!(t.contains("| two-pass |"), "{t}");
+        assert!(t.contains("| only new |"), "{t}");
+    }
+
+    #[test]
+    fn malformed_runs_are_errors_that_name_the_file_and_what_was_expected() {
+        let mut b = Build::default();
+        let e = b.add_run("[1, 2]", Path::new("a.json")).unwrap_err();
+        assert!(
+            e.to_string().contains("a.json") && e.to_string().contains("\"rows\""),
+            "{e}"
+        );
+        let e = b
+            .add_run(
+                r#"{"rows": [{"kernel": "k", "ms": 1.0}]}"#,
+                Path::new("b.json"),
+            )
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("b.json") && e.to_string().contains("of_copy"),
+            "{e}"
+        );
+        assert!(b.add_run("not json", Path::new("c.json")).is_err());
+    }
+
+    #[test]
+    fn a_fraction_outside_0_1_is_refused() {
+        let e = run(&[], &[], 1.5).unwrap_err();
+        assert!(e.to_string().contains("--min-change"), "{e}");
+    }
+}
