@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 
 use rayon::prelude::*;
-use tessera_core::{DType, Device, Error, Result, Shape, Tensor};
+use tessera_core::{DType, Result, Shape, Tensor};
 
 use crate::layout::{roundup, transpose};
 use crate::scale::{amax, compute_scale_from_amax};
@@ -239,21 +239,11 @@ impl Quantizer for Fp8BlockQuantizer {
         self.usage = usage;
     }
     fn check_shape(&self, shape: &Shape) -> Result<()> {
-        if shape.rank() == 0 {
-            return Err(Error::shape(
-                "Fp8BlockQuantizer",
-                "cannot quantize a rank-0 tensor; reshape it to [1]",
-            ));
-        }
-        Ok(())
+        crate::check_rank("Fp8BlockQuantizer", shape)
     }
     fn is_quantizable(&self, shape: &Shape) -> bool {
         let (m, k) = shape.flat_2d();
         shape.rank() >= 2 && m % BLOCK == 0 && k % BLOCK == 0
-    }
-    fn make_empty(&self, shape: &Shape, dtype: DType, device: Device) -> Result<QuantizedTensor> {
-        self.check_shape(shape)?;
-        crate::make_empty_from_specs(self.kind(), self.usage, shape, dtype, device)
     }
     fn quantize_into(&mut self, x: &Tensor, out: &mut QuantizedTensor) -> Result<()> {
         crate::check_into("Quantizer::quantize_into", &self.kind(), x, out)?;
@@ -262,7 +252,9 @@ impl Quantizer for Fp8BlockQuantizer {
             #[cfg(feature = "cuda")]
             return crate::cuda::block::quantize_into(x, &self.params(x.dtype()), self.dim, out);
             #[cfg(not(feature = "cuda"))]
-            return Err(Error::no_cuda_feature("quantizing a CUDA tensor"));
+            return Err(tessera_core::Error::no_cuda_feature(
+                "quantizing a CUDA tensor",
+            ));
         }
         let q = self.quantize(x)?;
         out.replace_buffers(q)
@@ -369,6 +361,7 @@ pub(crate) fn dequantize(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tessera_core::Device;
 
     #[test]
     fn worked_example() {

@@ -229,14 +229,10 @@ impl Quantizer for Fp8CurrentScaling {
         self.reduction = reduction;
     }
     fn check_shape(&self, shape: &Shape) -> Result<()> {
-        check_rank("Fp8CurrentScaling", shape)
+        crate::check_rank("Fp8CurrentScaling", shape)
     }
     fn is_quantizable(&self, shape: &Shape) -> bool {
         shape.rank() >= 2
-    }
-    fn make_empty(&self, shape: &Shape, dtype: DType, device: Device) -> Result<QuantizedTensor> {
-        self.check_shape(shape)?;
-        crate::make_empty_from_specs(self.kind(), self.usage, shape, dtype, device)
     }
     fn quantize_into(&mut self, x: &Tensor, out: &mut QuantizedTensor) -> Result<()> {
         crate::check_into("Quantizer::quantize_into", &self.kind(), x, out)?;
@@ -274,16 +270,6 @@ fn cuda_output(q: &dyn Quantizer, x: &Tensor) -> Result<QuantizedTensor> {
 #[cfg(not(feature = "cuda"))]
 fn cuda_output(q: &dyn Quantizer, x: &Tensor) -> Result<QuantizedTensor> {
     q.make_empty(x.shape(), x.dtype(), x.device())
-}
-
-fn check_rank(op: &'static str, shape: &Shape) -> Result<()> {
-    if shape.rank() == 0 {
-        return Err(Error::shape(
-            op,
-            "cannot quantize a rank-0 tensor; reshape it to [1]",
-        ));
-    }
-    Ok(())
 }
 
 /// How delayed scaling turns the amax history into one amax.
@@ -864,14 +850,10 @@ impl Quantizer for Fp8DelayedScaling {
         self.usage = usage;
     }
     fn check_shape(&self, shape: &Shape) -> Result<()> {
-        check_rank("Fp8DelayedScaling", shape)
+        crate::check_rank("Fp8DelayedScaling", shape)
     }
     fn is_quantizable(&self, shape: &Shape) -> bool {
         shape.rank() >= 2
-    }
-    fn make_empty(&self, shape: &Shape, dtype: DType, device: Device) -> Result<QuantizedTensor> {
-        self.check_shape(shape)?;
-        crate::make_empty_from_specs(self.kind(), self.usage, shape, dtype, device)
     }
     fn quantize_into(&mut self, x: &Tensor, out: &mut QuantizedTensor) -> Result<()> {
         crate::check_into("Quantizer::quantize_into", &self.kind(), x, out)?;

@@ -94,8 +94,12 @@ pub trait Quantizer: Send {
     fn is_quantizable(&self, shape: &Shape) -> bool;
 
     /// A zero-filled quantized tensor of logical `shape` on `device`, with the buffers
-    /// of this quantizer's usage; `dtype` is the high-precision type it stands for.
-    fn make_empty(&self, shape: &Shape, dtype: DType, device: Device) -> Result<QuantizedTensor>;
+    /// of this quantizer's usage; `dtype` is the high-precision type it stands for. Fails
+    /// as [`check_shape`](Self::check_shape) does.
+    fn make_empty(&self, shape: &Shape, dtype: DType, device: Device) -> Result<QuantizedTensor> {
+        self.check_shape(shape)?;
+        make_empty_from_specs(self.kind(), self.usage(), shape, dtype, device)
+    }
 
     /// Quantizes an f32/bf16/f16 tensor on the host or (feature `cuda`, for the formats
     /// with kernels) on its CUDA device, where the result stays.
@@ -116,6 +120,18 @@ pub trait Quantizer: Send {
         let q = self.quantize(x)?;
         out.replace_buffers(q)
     }
+}
+
+/// `Ok` for tensors of rank 1 or more: the shape check of the formats without block
+/// divisibility constraints.
+pub(crate) fn check_rank(op: &'static str, shape: &Shape) -> Result<()> {
+    if shape.rank() == 0 {
+        return Err(Error::shape(
+            op,
+            "cannot quantize a rank-0 tensor; reshape it to [1]",
+        ));
+    }
+    Ok(())
 }
 
 /// Checks that `out` can receive the quantization of `x` in format `kind`.

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use rayon::prelude::*;
-use tessera_core::{DType, Device, Error, Result, Shape, Tensor};
+use tessera_core::{DType, Error, Result, Shape, Tensor};
 
 use crate::cast::{decode_e8m0, e8m0_reciprocal, float_to_e8m0};
 use crate::layout::{pad, roundup, swizzle, transpose, unswizzle};
@@ -294,10 +294,6 @@ impl Quantizer for Mxfp8Quantizer {
     }
     fn is_quantizable(&self, shape: &Shape) -> bool {
         shape.rank() >= 2 && self.check_shape(shape).is_ok()
-    }
-    fn make_empty(&self, shape: &Shape, dtype: DType, device: Device) -> Result<QuantizedTensor> {
-        self.check_shape(shape)?;
-        crate::make_empty_from_specs(self.kind(), self.usage, shape, dtype, device)
     }
     fn quantize_into(&mut self, x: &Tensor, out: &mut QuantizedTensor) -> Result<()> {
         crate::check_into("Quantizer::quantize_into", &self.kind(), x, out)?;

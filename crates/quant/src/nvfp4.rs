@@ -34,7 +34,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use rayon::prelude::*;
-use tessera_core::{DType, Device, Error, Result, Shape, Tensor};
+use tessera_core::{DType, Error, Result, Shape, Tensor};
 use tessera_rng::Generator;
 
 use crate::cast::{decode_e2m1, decode_e4m3, encode_e2m1, encode_e2m1_stochastic, encode_e4m3};
@@ -471,10 +471,6 @@ impl Quantizer for Nvfp4Quantizer {
     fn is_quantizable(&self, shape: &Shape) -> bool {
         shape.rank() >= 2 && self.check_shape(shape).is_ok()
     }
-    fn make_empty(&self, shape: &Shape, dtype: DType, device: Device) -> Result<QuantizedTensor> {
-        self.check_shape(shape)?;
-        crate::make_empty_from_specs(self.kind(), self.usage, shape, dtype, device)
-    }
     fn quantize_into(&mut self, x: &Tensor, out: &mut QuantizedTensor) -> Result<()> {
         crate::check_into("Quantizer::quantize_into", &self.kind(), x, out)?;
         if x.device().is_cuda() {
@@ -629,6 +625,7 @@ pub(crate) fn dequantize(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tessera_core::Device;
 
     #[test]
     fn worked_example() {
