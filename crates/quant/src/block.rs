@@ -262,9 +262,7 @@ impl Quantizer for Fp8BlockQuantizer {
     fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
         const OP: &str = "Fp8BlockQuantizer::quantize";
         if x.device().is_cuda() {
-            let mut out = self.make_empty(x.shape(), x.dtype(), x.device())?;
-            self.quantize_into(x, &mut out)?;
-            return Ok(out);
+            return crate::quantize_on_device(self, x);
         }
         let (m, k) = check_input(OP, x)?;
         let v = Values::new(OP, x)?;

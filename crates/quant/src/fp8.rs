@@ -244,9 +244,7 @@ impl Quantizer for Fp8CurrentScaling {
     }
     fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
         if x.device().is_cuda() {
-            let mut out = cuda_output(self, x)?;
-            self.quantize_into(x, &mut out)?;
-            return Ok(out);
+            return crate::quantize_on_device(self, x);
         }
         const OP: &str = "Fp8CurrentScaling::quantize";
         check_input(OP, x)?;
@@ -255,21 +253,6 @@ impl Quantizer for Fp8CurrentScaling {
         let scale = self.scale_from_amax(v.amax())?;
         quantize_with_scale(x, &v, scale, self.format, self.usage)
     }
-}
-
-/// The output of a per-tensor FP8 cast of the CUDA tensor `x`: `q`'s buffers, left
-/// uninitialised, because the cast kernels write every byte of them (the GPU tests quantize
-/// into poisoned buffers to check that), so a memset of the outputs would be wasted work.
-#[cfg(feature = "cuda")]
-fn cuda_output(q: &dyn Quantizer, x: &Tensor) -> Result<QuantizedTensor> {
-    q.check_shape(x.shape())?;
-    crate::make_uninit_from_specs(q.kind(), q.usage(), x.shape(), x.dtype(), x.device())
-}
-
-/// Without the `cuda` feature there are no CUDA tensors; `quantize_into` reports that.
-#[cfg(not(feature = "cuda"))]
-fn cuda_output(q: &dyn Quantizer, x: &Tensor) -> Result<QuantizedTensor> {
-    q.make_empty(x.shape(), x.dtype(), x.device())
 }
 
 /// How delayed scaling turns the amax history into one amax.
@@ -865,9 +848,7 @@ impl Quantizer for Fp8DelayedScaling {
     }
     fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
         if x.device().is_cuda() {
-            let mut out = cuda_output(self, x)?;
-            self.quantize_into(x, &mut out)?;
-            return Ok(out);
+            return crate::quantize_on_device(self, x);
         }
         const OP: &str = "Fp8DelayedScaling::quantize";
         check_input(OP, x)?;

@@ -255,6 +255,22 @@ pub(crate) fn assemble(
     })
 }
 
+/// `quantize` of a CUDA tensor: `quantize_into` an output whose buffers are left
+/// uninitialised. Every format's kernels write every byte of their outputs, scale padding
+/// included (the GPU tests quantize into outputs poisoned with 0xA5 and compare them with
+/// the CPU's), so zero-filling them first would be a memset of the whole output for
+/// nothing. Without the `cuda` feature there are no CUDA tensors, and `quantize_into`
+/// says so.
+pub(crate) fn quantize_on_device(q: &mut dyn Quantizer, x: &Tensor) -> Result<QuantizedTensor> {
+    q.check_shape(x.shape())?;
+    #[cfg(feature = "cuda")]
+    let mut out = make_uninit_from_specs(q.kind(), q.usage(), x.shape(), x.dtype(), x.device())?;
+    #[cfg(not(feature = "cuda"))]
+    let mut out = q.make_empty(x.shape(), x.dtype(), x.device())?;
+    q.quantize_into(x, &mut out)?;
+    Ok(out)
+}
+
 /// Zero-filled buffers for `usage`.
 pub(crate) fn make_empty_from_specs(
     kind: Kind,

@@ -495,9 +495,7 @@ impl Quantizer for Nvfp4Quantizer {
     fn quantize(&mut self, x: &Tensor) -> Result<QuantizedTensor> {
         const OP: &str = "Nvfp4Quantizer::quantize";
         if x.device().is_cuda() {
-            let mut out = self.make_empty(x.shape(), x.dtype(), x.device())?;
-            self.quantize_into(x, &mut out)?;
-            return Ok(out);
+            return crate::quantize_on_device(self, x);
         }
         let (m, k) = check_input(OP, x)?;
         self.check_shape(x.shape())?;
