@@ -324,21 +324,8 @@ pub(crate) fn dequantize(
 ) -> Result<Vec<f32>> {
     let (m, k) = qt.shape.flat_2d();
     let (rs, cs) = scale_shapes(m, k, dim);
-    let (dn, sn) = if columnwise {
-        (BufferName::ColumnwiseData, BufferName::ColumnwiseScaleInv)
-    } else {
-        (BufferName::Data, BufferName::ScaleInv)
-    };
-    let q = qt
-        .buffers
-        .get(&dn)
-        .ok_or_else(|| crate::fp8::missing(dn))?
-        .as_bytes()?;
-    let s = qt
-        .buffers
-        .get(&sn)
-        .ok_or_else(|| crate::fp8::missing(sn))?
-        .as_slice::<f32>()?;
+    let (q, s) = qt.data_and_scales(columnwise)?;
+    let (q, s) = (q.as_bytes()?, s.as_slice::<f32>()?);
     // The scale_inv of logical element (r, c) of the stored orientation.
     let scale_of = |r: usize, c: usize| -> f32 {
         match (dim, columnwise) {

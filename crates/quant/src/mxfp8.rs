@@ -377,21 +377,8 @@ pub(crate) fn dequantize(
     columnwise: bool,
 ) -> Result<Vec<f32>> {
     let (m, k) = qt.shape.flat_2d();
-    let (dn, sn) = if columnwise {
-        (BufferName::ColumnwiseData, BufferName::ColumnwiseScaleInv)
-    } else {
-        (BufferName::Data, BufferName::ScaleInv)
-    };
-    let q = qt
-        .buffers
-        .get(&dn)
-        .ok_or_else(|| crate::fp8::missing(dn))?
-        .as_bytes()?;
-    let sbuf = qt
-        .buffers
-        .get(&sn)
-        .ok_or_else(|| crate::fp8::missing(sn))?
-        .as_bytes()?;
+    let (q, sbuf) = qt.data_and_scales(columnwise)?;
+    let (q, sbuf) = (q.as_bytes()?, sbuf.as_bytes()?);
     let nb = k / BLOCK;
     let out = if columnwise {
         let s = columnwise_compact(sbuf, m, k, swizzled)?;

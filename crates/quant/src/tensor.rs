@@ -294,6 +294,19 @@ impl QuantizedTensor {
         self.buffers.get(&name)
     }
 
+    /// The data and scale buffers of one orientation (`columnwise`: the transposed
+    /// copy's), or an error naming the one the tensor lacks. For the per-block formats;
+    /// FP8 per-tensor shares one `ScaleInv` between orientations.
+    pub(crate) fn data_and_scales(&self, columnwise: bool) -> Result<(&Tensor, &Tensor)> {
+        let (dn, sn) = if columnwise {
+            (BufferName::ColumnwiseData, BufferName::ColumnwiseScaleInv)
+        } else {
+            (BufferName::Data, BufferName::ScaleInv)
+        };
+        let get = |n| self.buffer(n).ok_or_else(|| crate::fp8::missing(n));
+        Ok((get(dn)?, get(sn)?))
+    }
+
     /// The plain buffers the tensor is made of, in [`BufferName`] order — what FSDP
     /// scatters and what communication moves.
     pub fn data_tensors(&self) -> Vec<(BufferName, &Tensor)> {

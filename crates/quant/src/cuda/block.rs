@@ -9,7 +9,7 @@ use super::{
 };
 use crate::block::BlockScaling;
 use crate::values::check_input;
-use crate::{BlockDim, BufferName, QuantizedTensor};
+use crate::{BlockDim, QuantizedTensor};
 
 /// Quantizes `x` into `out` (FP8 block scaling, its usage's buffers), both orientations
 /// from one read of the input.
@@ -99,13 +99,7 @@ pub(crate) fn dequantize(
     let dtype = y.dtype();
     const OP: &str = "cuda fp8 block dequantize";
     let (m, k) = qt.shape().flat_2d();
-    let (dn, sn) = if columnwise {
-        (BufferName::ColumnwiseData, BufferName::ColumnwiseScaleInv)
-    } else {
-        (BufferName::Data, BufferName::ScaleInv)
-    };
-    let q = qt.buffer(dn).ok_or_else(|| crate::fp8::missing(dn))?;
-    let s = qt.buffer(sn).ok_or_else(|| crate::fp8::missing(sn))?;
+    let (q, s) = qt.data_and_scales(columnwise)?;
     let dev = device_of(q)?;
     let f = dev.function(
         &BLOCK_PTX,

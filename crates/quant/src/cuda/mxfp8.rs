@@ -8,7 +8,7 @@ use super::{
     format_suffix, launch, tile_grid,
 };
 use crate::values::check_input;
-use crate::{BufferName, Fp8Format, QuantizedTensor};
+use crate::{Fp8Format, QuantizedTensor};
 
 /// Quantizes `x` into `out` (MXFP8, its usage's buffers), both orientations from one
 /// read of the input.
@@ -84,13 +84,7 @@ pub(crate) fn dequantize(
     let dtype = y.dtype();
     const OP: &str = "cuda mxfp8 dequantize";
     let (m, k) = qt.shape().flat_2d();
-    let (dn, sn) = if columnwise {
-        (BufferName::ColumnwiseData, BufferName::ColumnwiseScaleInv)
-    } else {
-        (BufferName::Data, BufferName::ScaleInv)
-    };
-    let q = qt.buffer(dn).ok_or_else(|| crate::fp8::missing(dn))?;
-    let s = qt.buffer(sn).ok_or_else(|| crate::fp8::missing(sn))?;
+    let (q, s) = qt.data_and_scales(columnwise)?;
     let dev = device_of(q)?;
     let f = dev.function(
         &MXFP8_PTX,
