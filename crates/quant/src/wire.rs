@@ -908,52 +908,37 @@ pub fn unpack_plans(
                 Ok(p)
             })
             .collect::<Result<Vec<_>>>()?;
-        // The joined compact matrix, and where each part's (0, 0) lands in it.
-        let (valid, origins): ([usize; 2], Vec<[usize; 2]>) = match w.gather {
-            Gather::Rows => {
-                let cols = parts[0].dims[1];
-                if let Some(r) = parts.iter().position(|p| p.dims[1] != cols) {
-                    return Err(Error::shape(
-                        OP,
-                        format!(
-                            "rank {r}'s `{}` has {} columns, rank 0's {cols}",
-                            w.name, parts[r].dims[1]
-                        ),
-                    ));
-                }
-                let mut at = 0;
-                let origins = parts
-                    .iter()
-                    .map(|p| {
-                        at += p.dims[0];
-                        [at - p.dims[0], 0]
-                    })
-                    .collect();
-                ([at, cols], origins)
-            }
-            Gather::Columns => {
-                let rows = parts[0].dims[0];
-                if let Some(r) = parts.iter().position(|p| p.dims[0] != rows) {
-                    return Err(Error::shape(
-                        OP,
-                        format!(
-                            "rank {r}'s `{}` has {} rows, rank 0's {rows}",
-                            w.name, parts[r].dims[0]
-                        ),
-                    ));
-                }
-                let mut at = 0;
-                let origins = parts
-                    .iter()
-                    .map(|p| {
-                        at += p.dims[1];
-                        [0, at - p.dims[1]]
-                    })
-                    .collect();
-                ([rows, at], origins)
-            }
+        // The joined compact matrix, and where each part's (0, 0) lands in it: the
+        // parts follow each other along `axis` and share their extent across it.
+        let axis = match w.gather {
+            Gather::Rows => 0,
+            Gather::Columns => 1,
             Gather::Replicated => unreachable!("handled above"),
         };
+        let across = parts[0].dims[1 - axis];
+        if let Some(r) = parts.iter().position(|p| p.dims[1 - axis] != across) {
+            return Err(Error::shape(
+                OP,
+                format!(
+                    "rank {r}'s `{}` has {} {}, rank 0's {across}",
+                    w.name,
+                    parts[r].dims[1 - axis],
+                    ["columns", "rows"][axis]
+                ),
+            ));
+        }
+        let mut at = 0;
+        let origins: Vec<[usize; 2]> = parts
+            .iter()
+            .map(|p| {
+                let mut origin = [0; 2];
+                origin[axis] = at;
+                at += p.dims[axis];
+                origin
+            })
+            .collect();
+        let mut valid = [across; 2];
+        valid[axis] = at;
         let (_, want) = wire_buffer(kind, w.name, m, k)?;
         if valid != want {
             return Err(Error::shape(

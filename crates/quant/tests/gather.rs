@@ -590,3 +590,34 @@ fn unpack_checks_the_gathered_buffers() {
     gathered.remove(&BufferName::ScaleInv);
     assert!(wire::unpack(&qt, 1, gathered).is_err());
 }
+
+#[test]
+fn unpack_plans_refuse_parts_that_do_not_line_up() {
+    // Rank 1's part is one element wider across the gather axis than rank 0's: the
+    // rowwise data (gathered along rows) must agree in columns, the columnwise data
+    // (gathered along columns) in rows.
+    for (usage, across) in [(Usage::Rowwise, "columns"), (Usage::Columnwise, "rows")] {
+        let qt = Fp8CurrentScaling::new(Fp8Format::E4M3)
+            .with_usage(usage)
+            .quantize(&tensor(&[1.0; 256], &[16, 16], DType::F32))
+            .unwrap();
+        let e = wire::unpack_plans(&qt, &[16, 16], &mut |r, w| {
+            let mut dims = w.valid;
+            let axis = usize::from(w.gather == Gather::Rows);
+            dims[axis] += r;
+            Ok(wire::PartLayout {
+                input: r,
+                offset: 0,
+                dims,
+                pitch: dims[1],
+            })
+        })
+        .unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, Error::Shape { .. }), "{usage:?}: {msg}");
+        assert!(
+            msg.contains("rank 1's") && msg.contains(&format!("17 {across}, rank 0's 16")),
+            "{usage:?}: {msg}"
+        );
+    }
+}
