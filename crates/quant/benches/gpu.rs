@@ -56,6 +56,12 @@ impl Bench<'_> {
         } else {
             bytes
         };
+        self.push(x, name, ms, bytes, floor_bytes);
+        Ok(())
+    }
+
+    /// Records a row for input `x`.
+    fn push(&mut self, x: &Tensor, name: &str, ms: f64, bytes: usize, floor_bytes: usize) {
         self.rows.push(Row {
             shape: x.shape().to_string(),
             name: name.into(),
@@ -63,7 +69,6 @@ impl Bench<'_> {
             bytes,
             floor_bytes,
         });
-        Ok(())
     }
 
     /// Times `q.quantize(x)`, which allocates its output on every call (the device
@@ -73,13 +78,7 @@ impl Bench<'_> {
             + q.make_empty(x.shape(), x.dtype(), x.device())?
                 .size_in_bytes();
         let ms = time(self.dev, self.iters, || q.quantize(x).map(drop))?;
-        self.rows.push(Row {
-            shape: x.shape().to_string(),
-            name: name.into(),
-            ms,
-            bytes,
-            floor_bytes: bytes,
-        });
+        self.push(x, name, ms, bytes, bytes);
         Ok(())
     }
 
@@ -103,13 +102,7 @@ impl Bench<'_> {
             }
             Ok(())
         })?;
-        self.rows.push(Row {
-            shape: x.shape().to_string(),
-            name: name.into(),
-            ms,
-            bytes,
-            floor_bytes: bytes,
-        });
+        self.push(x, name, ms, bytes, bytes);
         Ok(())
     }
 }
