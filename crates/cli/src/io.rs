@@ -394,34 +394,28 @@ pub fn write_safetensors(
 pub fn write_npy(path: &Path, t: &Tensor) -> anyhow::Result<()> {
     let shape: Vec<u64> = t.shape().dims().iter().map(|&d| d as u64).collect();
     match t.dtype() {
-        DType::F32 => {
-            let v = t.as_slice::<f32>()?;
-            write_atomically(path, |w| {
-                let mut npy = npyz::WriteOptions::<f32>::new()
-                    .default_dtype()
-                    .shape(&shape)
-                    .writer(w)
-                    .begin_nd()?;
-                npy.extend(v.iter().copied())?;
-                npy.finish()?;
-                Ok(())
-            })
-        }
-        DType::F16 => {
-            let v = t.as_slice::<f16>()?;
-            write_atomically(path, |w| {
-                let mut npy = npyz::WriteOptions::<f16>::new()
-                    .default_dtype()
-                    .shape(&shape)
-                    .writer(w)
-                    .begin_nd()?;
-                npy.extend(v.iter().copied())?;
-                npy.finish()?;
-                Ok(())
-            })
-        }
+        DType::F32 => write_npy_values(path, &shape, t.as_slice::<f32>()?),
+        DType::F16 => write_npy_values(path, &shape, t.as_slice::<f16>()?),
         other => bail!(".npy files are written as f32 or f16, not {other}"),
     }
+}
+
+/// The `.npy` file of `values` in C order with `shape`, written atomically.
+fn write_npy_values<T: npyz::AutoSerialize + Copy>(
+    path: &Path,
+    shape: &[u64],
+    values: &[T],
+) -> anyhow::Result<()> {
+    write_atomically(path, |w| {
+        let mut npy = npyz::WriteOptions::<T>::new()
+            .default_dtype()
+            .shape(shape)
+            .writer(w)
+            .begin_nd()?;
+        npy.extend(values.iter().copied())?;
+        npy.finish()?;
+        Ok(())
+    })
 }
 
 /// Writes `path` through `write` atomically ([`tessera_core::fs::write_atomically`]): the
