@@ -21,7 +21,8 @@ struct Sample {
 }
 
 /// Every row of a build's runs, in the order the first run listed them: (shape, kernel)
-/// and that row's samples, one per run that has it.
+/// and that row's samples, one per run that has it (never none: a row enters with its
+/// first sample).
 #[derive(Debug, Default)]
 struct Build {
     order: Vec<(String, String)>,
@@ -85,9 +86,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// A side's cell: the runs' ratios to copy, then to floor where any run's floor differs
-/// from its copy ratio (the two-pass rows), or "-" without samples.
+/// from its copy ratio (the two-pass rows), or "-" for a row the build lacks.
 fn cell(samples: Option<&Vec<Sample>>) -> String {
-    let Some(s) = samples.filter(|s| !s.is_empty()) else {
+    let Some(s) = samples else {
         return "-".into();
     };
     let join = |f: &dyn Fn(&Sample) -> f64| {
@@ -126,7 +127,7 @@ fn table(base: &Build, new: &Build, min_change: f64) -> String {
     for key in keys {
         let (b, n) = (base.rows.get(&key), new.rows.get(&key));
         let change = match (b, n) {
-            (Some(b), Some(n)) if !b.is_empty() && !n.is_empty() => {
+            (Some(b), Some(n)) => {
                 let mb = median(b.iter().map(|s| s.ms).collect());
                 let mn = median(n.iter().map(|s| s.ms).collect());
                 Some(mn / mb - 1.0)
