@@ -217,8 +217,8 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
 // Four entry points with their own register budgets: rowwise-only 1x128 blocks
 // (`_row_`), 1-D blocks with a columnwise operand (`_1d_`, 128x128 tiles), 128x128
 // blocks with a columnwise operand (`_2d_`) and without one (`_2d_row_`, where the
-// transposed tile and its 16 KiB of shared memory compile away). They share one parameter list; `two_d` is implied by the
-// name, and `_2d_row_` ignores q_col and s_col.
+// transposed tile and its 16 KiB of shared memory compile away). They share one
+// parameter list; `two_d` is implied by the name, and `_2d_row_` ignores q_col and s_col.
 #define BLOCK_PARAMS(T)                                                                        \
     const T *__restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,                 \
         float value_for_inf, int two_d, uint8_t *q_row, float *s_row, u64 s_row_cols,          \
