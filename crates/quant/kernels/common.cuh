@@ -22,10 +22,12 @@ typedef unsigned long long u64;
 // - TQ_MINB_BLOCK_2D serves both 2-D entry points; the rowwise-only one has no
 //   transposed tile at all and fits 64 registers either way (5 CTAs per SM spill and
 //   lose 15%).
-// - 1-D blocks with a columnwise operand need more live values (the column maxima and
-//   scales next to the tile): they spill at 64 registers, and with a separate edge
-//   function even at 80, so they stay at 3 CTAs per SM with both paths inline (the full
-//   path alone moved them from 0.83 to 0.91 of a copy at 4096x4096 on an H200).
+// - 1-D blocks with a columnwise operand keep per-column maxima next to the tile. Each
+//   row's bytes are stored as soon as they are converted and the column maxima go to
+//   shared memory 8 at a time, so with both paths inline they fit 64 registers without
+//   spills (they had spilled 176 bytes at 64, 4 at 80): 4 CTAs per SM. (The full path
+//   alone, at 3 CTAs per SM, had moved them from 0.83 to 0.91 of a copy at 4096x4096 on
+//   an H200.)
 // - MXFP8 with a columnwise operand or 32x32 tiles quantizes one orientation at a time
 //   (amaxes, scales, bytes), so the other's 16 amaxes and multipliers are not live beside
 //   the tile: 64 registers without spills (36 and 104 bytes spilled when both were
@@ -38,7 +40,7 @@ typedef unsigned long long u64;
 #define TQ_MINB_BLOCK_ROW 1
 #endif
 #ifndef TQ_MINB_BLOCK_1D
-#define TQ_MINB_BLOCK_1D 3
+#define TQ_MINB_BLOCK_1D 4
 #endif
 #ifndef TQ_MINB_BLOCK_2D
 #define TQ_MINB_BLOCK_2D 4
@@ -584,17 +586,24 @@ template <class T> struct Tile128 {
     // NaN-ignoring max |x| of each of the thread's 16 columns over the 16 rows of its
     // warp (its 4 rows, then the 4 row groups of the warp, lanes xor 8, 16).
     __device__ void col_amax(float* ca) const {
+        col_amax(ca, 0);
+        col_amax(ca + 8, 1);
+    }
+    // The same for the thread's columns 8*half .. 8*half + 7 only (ca[0 .. 8)).
+    __device__ void col_amax(float* ca, int half) const {
         if constexpr (sizeof(T) == 2) {
 #pragma unroll
-            for (int p = 0; p < 8; ++p) {
-                const uint32_t a = hmax2w<T>(hmax2w<T>(d.w[0][p] & 0x7FFF7FFFu, d.w[1][p] & 0x7FFF7FFFu),
-                                             hmax2w<T>(d.w[2][p] & 0x7FFF7FFFu, d.w[3][p] & 0x7FFF7FFFu));
+            for (int p = 0; p < 4; ++p) {
+                const int q = 4 * half + p;
+                const uint32_t a = hmax2w<T>(hmax2w<T>(d.w[0][q] & 0x7FFF7FFFu, d.w[1][q] & 0x7FFF7FFFu),
+                                             hmax2w<T>(d.w[2][q] & 0x7FFF7FFFu, d.w[3][q] & 0x7FFF7FFFu));
                 hmax2_lanes<T, 8, 16>(a, ca[2 * p], ca[2 * p + 1]);
             }
         } else {
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                const float a = fmaxf(fmaxf(fabsf(at(0, j)), fabsf(at(1, j))), fmaxf(fabsf(at(2, j)), fabsf(at(3, j))));
+            for (int j = 0; j < 8; ++j) {
+                const int c = 8 * half + j;
+                const float a = fmaxf(fmaxf(fabsf(at(0, c)), fabsf(at(1, c))), fmaxf(fabsf(at(2, c)), fabsf(at(3, c))));
                 ca[j] = fmax_lanes<8, 16>(a);
             }
         }
