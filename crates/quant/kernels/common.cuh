@@ -58,12 +58,26 @@ typedef unsigned long long u64;
 // writes are visible; what a kernel does before it may only read memory the earlier
 // kernel does not write (the second passes of the quantizers load their tile of the
 // input, which the amax pass only reads). Both are no-ops in a kernel launched the
-// ordinary way. As ptxas (CUDA 13.0) compiles them, though, the wait is scheduled ahead
-// of loads that precede it in the same basic block (delaying a load past it is legal;
-// SASS: ACQBULK before the first LDG in the NVFP4 and cast-transpose kernels), so the
-// tile loads go out after the wait: what the programmatic launch buys is CTAs resident
-// before the amax pass ends, not loads in flight during its tail.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// ordinary way.
+//
+// The wait sits behind a branch that is never taken (%nctaid.x is never 0): ptxas (CUDA
+// 13.0) schedules a griddepcontrol.wait that shares a basic block with the loads before
+// it ahead of them (delaying a load past the wait is always legal; SASS: ACQBULK before
+// the first LDG), so without the branch those loads went out only after the wait. The
+// block boundary keeps them first in the cast-transpose, the NVFP4 both kernels and the
+// rowwise cast; ptxas still sinks nvfp4_row's conditional loads past it.
+__device__ __forceinline__ void pdl_wait() {
+    asm volatile(
+        "{\n\t"
+        ".reg .pred p;\n\t"
+        ".reg .u32 n;\n\t"
+        "mov.u32 n, %nctaid.x;\n\t"
+        "setp.eq.u32 p, n, 0;\n\t"
+        "@p bra.uni PDL_WAITED;\n\t"
+        "griddepcontrol.wait;\n\t"
+        "PDL_WAITED:\n\t"
+        "}" ::: "memory");
+}
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // ---- input element types -------------------------------------------------------------
