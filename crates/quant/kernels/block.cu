@@ -97,20 +97,26 @@ __device__ void block_tile(const Tile128<T>& x4, u64 m0, u64 k0, u64 m, u64 k, f
 #pragma unroll
         for (int i = 0; i < 4; ++i) rs[i] = __shfl_sync(0xFFFFFFFFu, s, (lane & ~7) | i);
     }
-    // Rowwise bytes (in 2-D mode also the transposed tile, which has the same bytes).
+    // Rowwise bytes (in 2-D mode also the transposed tile, which has the same bytes);
+    // in 1-D mode each row is stored as soon as it is converted, so that only its 4
+    // words are live.
     uint32_t wr[4][4];  // row i, word w: columns col(cg, 4w .. 4w+3)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    auto row_words = [&](int i) {
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
             const uint32_t lo = fp8x2<E4M3>(__fmul_rn(x4.at(i, 4 * w), rs[i]), __fmul_rn(x4.at(i, 4 * w + 1), rs[i]));
             const uint32_t hi = fp8x2<E4M3>(__fmul_rn(x4.at(i, 4 * w + 2), rs[i]), __fmul_rn(x4.at(i, 4 * w + 3), rs[i]));
             wr[i][w] = lo | (hi << 16);
         }
+    };
+    if (two_d) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) row_words(i);
     }
     if (q_row != nullptr) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
+            if (!two_d) row_words(i);
             const u64 r = m0 + 4 * rg + i;
 #pragma unroll
             for (int l = 0; l < Tl::L; ++l)
@@ -134,12 +140,16 @@ __device__ void block_tile(const Tile128<T>& x4, u64 m0, u64 k0, u64 m, u64 k, f
             for (int b = 0; b < 4; ++b) tr.put(Tl::col(cg, 4 * w + b), rg, out[b]);
         }
     } else {
-        // Columnwise 1-D: each column's own scale over the tile's 128 rows.
-        float ca[16];
-        x4.col_amax(ca);
-        if (lane < 8) {
+        // Columnwise 1-D: each column's own scale over the tile's 128 rows. The warp's
+        // column maxima go to shared memory 8 at a time.
 #pragma unroll
-            for (int j = 0; j < 16; ++j) colpart[warp][Tl::col(cg, j)] = ca[j];
+        for (int half = 0; half < 2; ++half) {
+            float ca[8];
+            x4.col_amax(ca, half);
+            if (lane < 8) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) colpart[warp][Tl::col(cg, 8 * half + j)] = ca[j];
+            }
         }
         __syncthreads();
         if (t < 128) {

@@ -22,10 +22,17 @@ typedef unsigned long long u64;
 // - TQ_MINB_BLOCK_2D serves both 2-D entry points; the rowwise-only one has no
 //   transposed tile at all and fits 64 registers either way (5 CTAs per SM spill and
 //   lose 15%).
-// - 1-D blocks with a columnwise operand need more live values (the column maxima and
-//   scales next to the tile): they spill at 64 registers, and with a separate edge
-//   function even at 80, so they stay at 3 CTAs per SM with both paths inline (the full
-//   path alone moved them from 0.83 to 0.91 of a copy at 4096x4096 on an H200).
+// - 1-D blocks with a columnwise operand keep per-column maxima next to the tile. Each
+//   row's bytes are stored as soon as they are converted and the column maxima go to
+//   shared memory 8 at a time, so with both paths inline they fit 64 registers without
+//   spills (they had spilled 176 bytes at 64, 4 at 80): 4 CTAs per SM. (The full path
+//   alone, at 3 CTAs per SM, had moved them from 0.83 to 0.91 of a copy at 4096x4096 on
+//   an H200.)
+// - MXFP8 with a columnwise operand or 32x32 tiles quantizes one orientation at a time
+//   (amaxes, scales, bytes), so the other's 16 amaxes and multipliers are not live beside
+//   the tile: 64 registers without spills (36 and 104 bytes spilled when both were
+//   computed first), 4 CTAs per SM instead of 3. The |.| words are computed once per
+//   orientation (3% more instructions).
 #ifndef TQ_MINB_TILE
 #define TQ_MINB_TILE 4
 #endif
@@ -33,13 +40,13 @@ typedef unsigned long long u64;
 #define TQ_MINB_BLOCK_ROW 1
 #endif
 #ifndef TQ_MINB_BLOCK_1D
-#define TQ_MINB_BLOCK_1D 3
+#define TQ_MINB_BLOCK_1D 4
 #endif
 #ifndef TQ_MINB_BLOCK_2D
 #define TQ_MINB_BLOCK_2D 4
 #endif
 #ifndef TQ_MINB_MXFP8
-#define TQ_MINB_MXFP8 3
+#define TQ_MINB_MXFP8 4
 #endif
 
 // ---- programmatic dependent launch (sm_90) -------------------------------------------
@@ -51,12 +58,26 @@ typedef unsigned long long u64;
 // writes are visible; what a kernel does before it may only read memory the earlier
 // kernel does not write (the second passes of the quantizers load their tile of the
 // input, which the amax pass only reads). Both are no-ops in a kernel launched the
-// ordinary way. As ptxas (CUDA 13.0) compiles them, though, the wait is scheduled ahead
-// of loads that precede it in the same basic block (delaying a load past it is legal;
-// SASS: ACQBULK before the first LDG in the NVFP4 and cast-transpose kernels), so the
-// tile loads go out after the wait: what the programmatic launch buys is CTAs resident
-// before the amax pass ends, not loads in flight during its tail.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// ordinary way.
+//
+// The wait sits behind a branch that is never taken (%nctaid.x is never 0): ptxas (CUDA
+// 13.0) schedules a griddepcontrol.wait that shares a basic block with the loads before
+// it ahead of them (delaying a load past the wait is always legal; SASS: ACQBULK before
+// the first LDG), so without the branch those loads went out only after the wait. The
+// block boundary keeps them first in the cast-transpose, the NVFP4 both kernels and the
+// rowwise cast; ptxas still sinks nvfp4_row's conditional loads past it.
+__device__ __forceinline__ void pdl_wait() {
+    asm volatile(
+        "{\n\t"
+        ".reg .pred p;\n\t"
+        ".reg .u32 n;\n\t"
+        "mov.u32 n, %nctaid.x;\n\t"
+        "setp.eq.u32 p, n, 0;\n\t"
+        "@p bra.uni PDL_WAITED;\n\t"
+        "griddepcontrol.wait;\n\t"
+        "PDL_WAITED:\n\t"
+        "}" ::: "memory");
+}
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // ---- input element types -------------------------------------------------------------
@@ -579,17 +600,24 @@ template <class T> struct Tile128 {
     // NaN-ignoring max |x| of each of the thread's 16 columns over the 16 rows of its
     // warp (its 4 rows, then the 4 row groups of the warp, lanes xor 8, 16).
     __device__ void col_amax(float* ca) const {
+        col_amax(ca, 0);
+        col_amax(ca + 8, 1);
+    }
+    // The same for the thread's columns 8*half .. 8*half + 7 only (ca[0 .. 8)).
+    __device__ void col_amax(float* ca, int half) const {
         if constexpr (sizeof(T) == 2) {
 #pragma unroll
-            for (int p = 0; p < 8; ++p) {
-                const uint32_t a = hmax2w<T>(hmax2w<T>(d.w[0][p] & 0x7FFF7FFFu, d.w[1][p] & 0x7FFF7FFFu),
-                                             hmax2w<T>(d.w[2][p] & 0x7FFF7FFFu, d.w[3][p] & 0x7FFF7FFFu));
+            for (int p = 0; p < 4; ++p) {
+                const int q = 4 * half + p;
+                const uint32_t a = hmax2w<T>(hmax2w<T>(d.w[0][q] & 0x7FFF7FFFu, d.w[1][q] & 0x7FFF7FFFu),
+                                             hmax2w<T>(d.w[2][q] & 0x7FFF7FFFu, d.w[3][q] & 0x7FFF7FFFu));
                 hmax2_lanes<T, 8, 16>(a, ca[2 * p], ca[2 * p + 1]);
             }
         } else {
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                const float a = fmaxf(fmaxf(fabsf(at(0, j)), fabsf(at(1, j))), fmaxf(fabsf(at(2, j)), fabsf(at(3, j))));
+            for (int j = 0; j < 8; ++j) {
+                const int c = 8 * half + j;
+                const float a = fmaxf(fmaxf(fabsf(at(0, c)), fabsf(at(1, c))), fmaxf(fabsf(at(2, c)), fabsf(at(3, c))));
                 ca[j] = fmax_lanes<8, 16>(a);
             }
         }

@@ -68,25 +68,36 @@ __device__ __forceinline__ float cast_scale(const Fp8Scale& s) {
 
 // Rowwise cast, 16 elements per step (16 output bytes). scale_inv[0] = 1 / scale is
 // written by thread 0; amax (if not null) collects NaN-ignoring max |x| (delayed scaling
-// records it into its history).
+// records it into its history). A thread's first step is loaded before pdl_wait and the
+// scale's load, so that the two memory latencies overlap (launch_params lets a kernel
+// after the amax pass read its input early; an ordinary launch starts after the kernel
+// before it anyway).
 template <class T, bool E4M3>
 __device__ void cast_impl(const T* __restrict__ x, uint8_t* __restrict__ q, u64 n, const Fp8Scale sa,
                           float* __restrict__ scale_inv, float* __restrict__ amax) {
     __shared__ float smem[32];
-    pdl_wait();  // the scale or amax comes from the kernel before
-    const float scale = cast_scale(sa);
-    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (tid == 0) scale_inv[0] = __frcp_rn(scale);
     constexpr int V = 16 / sizeof(T);  // elements per 16-byte load
     constexpr int L = 16 / V;          // loads per step
     const u64 steps = n / 16;
+    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 stride = (u64)gridDim.x * blockDim.x;
+    // After an amax pass: last first (cta_order).
+    auto step_at = [&](u64 i) { return sa.amax != nullptr ? steps - 1 - i : i; };
+    union Step {
+        uint4 v[L];
+        T e[16];
+    } u;
+    auto load = [&](u64 i) {
+#pragma unroll
+        for (int l = 0; l < L; ++l) u.v[l] = reinterpret_cast<const uint4*>(x)[step_at(i) * L + l];
+    };
+    if (tid < steps) load(tid);
+    pdl_wait();  // the scale or amax comes from the kernel before
+    const float scale = cast_scale(sa);
+    if (tid == 0) scale_inv[0] = __frcp_rn(scale);
     float m = 0.0f;
     for (u64 i = tid; i < steps; i += stride) {
-        const u64 s = sa.amax != nullptr ? steps - 1 - i : i;  // after an amax pass: last first (cta_order)
-        union { uint4 v[L]; T e[16]; } u;
-#pragma unroll
-        for (int l = 0; l < L; ++l) u.v[l] = reinterpret_cast<const uint4*>(x)[s * L + l];
+        if (i != tid) load(i);
         union { uint4 v; uint16_t h[8]; } o;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -94,7 +105,7 @@ __device__ void cast_impl(const T* __restrict__ x, uint8_t* __restrict__ q, u64 
             m = fmaxf(m, fmaxf(fabsf(a), fabsf(b)));
             o.h[j] = fp8x2<E4M3>(a * scale, b * scale);
         }
-        reinterpret_cast<uint4*>(q)[s] = o.v;
+        reinterpret_cast<uint4*>(q)[step_at(i)] = o.v;
     }
     for (u64 i = steps * 16 + tid; i < n; i += stride) {
         const float a = In<T>::f32(x[i]);

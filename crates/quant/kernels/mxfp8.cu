@@ -42,31 +42,19 @@ __device__ void mxfp8_row_impl(const T* __restrict__ x, u64 m, u64 k, float max_
 // The amaxes of a Warp32x64 tile's MXFP8 blocks, NaN-ignoring (0 when all NaN), as every
 // lane needs them: row[i] of row 8*(lane/8) + i over its 1x32 block (the 4 lanes xor 1,
 // 2), col[j] of column 8*(lane%8) + j over the tile's 32 rows (the 4 lanes xor 8, 16).
-// 2-byte inputs reduce as packed pairs (one |.| per two values, one max per two values
-// per step; two rows share each row shuffle), which keeps the kernel off the integer
-// pipe's limit; the max of exactly converted values is the converted max.
+// One orientation at a time, so that the other's amaxes and multipliers are not live
+// beside the tile. 2-byte inputs reduce as packed pairs (one |.| per two values, one
+// max per two values per step; two rows share each row shuffle), which keeps the kernel
+// off the integer pipe's limit; the max of exactly converted values is the converted max.
 template <class T>
-__device__ __forceinline__ void mxfp8_tile_amax(const Warp32x64<T>& x8, float* row, float* col) {
+__device__ __forceinline__ void mxfp8_col_amax(const Warp32x64<T>& x8, float* col) {
     if constexpr (sizeof(T) == 2) {
-        uint32_t a[8][4];
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-#pragma unroll
-            for (int p = 0; p < 4; ++p) a[i][p] = x8.d.w[i][p] & 0x7FFF7FFFu;
 #pragma unroll
         for (int p = 0; p < 4; ++p) {  // columns 2p, 2p + 1
-            uint32_t c = a[0][p];
+            uint32_t c = x8.d.w[0][p] & 0x7FFF7FFFu;
 #pragma unroll
-            for (int i = 1; i < 8; ++i) c = hmax2w<T>(c, a[i][p]);
+            for (int i = 1; i < 8; ++i) c = hmax2w<T>(c, x8.d.w[i][p] & 0x7FFF7FFFu);
             hmax2_lanes<T, 8, 16>(c, col[2 * p], col[2 * p + 1]);
-        }
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {  // rows 2q, 2q + 1
-            uint32_t h[2];
-#pragma unroll
-            for (int t = 0; t < 2; ++t)
-                h[t] = hmax2w<T>(hmax2w<T>(a[2 * q + t][0], a[2 * q + t][1]), hmax2w<T>(a[2 * q + t][2], a[2 * q + t][3]));
-            hmax2_lanes<T, 1, 2>(hmax2_rows<T>(h[0], h[1]), row[2 * q], row[2 * q + 1]);
         }
     } else {
 #pragma unroll
@@ -76,6 +64,24 @@ __device__ __forceinline__ void mxfp8_tile_amax(const Warp32x64<T>& x8, float* r
             for (int i = 0; i < 8; ++i) c = fmaxf(c, fabsf(x8.at(i, j)));
             col[j] = fmax_lanes<8, 16>(c);
         }
+    }
+}
+
+template <class T>
+__device__ __forceinline__ void mxfp8_row_amax(const Warp32x64<T>& x8, float* row) {
+    if constexpr (sizeof(T) == 2) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {  // rows 2q, 2q + 1
+            uint32_t h[2];
+#pragma unroll
+            for (int t = 0; t < 2; ++t) {
+                const uint32_t* w = x8.d.w[2 * q + t];
+                h[t] = hmax2w<T>(hmax2w<T>(w[0] & 0x7FFF7FFFu, w[1] & 0x7FFF7FFFu),
+                                 hmax2w<T>(w[2] & 0x7FFF7FFFu, w[3] & 0x7FFF7FFFu));
+            }
+            hmax2_lanes<T, 1, 2>(hmax2_rows<T>(h[0], h[1]), row[2 * q], row[2 * q + 1]);
+        }
+    } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             float r = 0.0f;
@@ -144,8 +150,6 @@ __device__ void mxfp8_tile(const Warp32x64<T>& x8, u64 r0, u64 c0, u64 k, float 
     // inside or all outside.
     const bool valid = col < k;
     const u64 jb = col / 32, ib = r0 / 32;
-    float ra[8], ca[8];
-    mxfp8_tile_amax<T>(x8, ra, ca);
     // Lane h of a block writes the scales of its rows 2h, 2h + 1, lane g of a column
     // group those of its columns 2g, 2g + 1.
     auto put_row_scales = [&](const uint8_t* re) {
@@ -162,6 +166,8 @@ __device__ void mxfp8_tile(const Warp32x64<T>& x8, u64 r0, u64 c0, u64 k, float 
     if (two_d) {
         // One scale for the 32x32 tile (the max over a column group's 8 column maxima
         // and the 4 lanes of the block); both operands get the same bytes.
+        float ca[8];
+        mxfp8_col_amax<T>(x8, ca);
         const float a = fmax_lanes<1, 2>(
             fmaxf(fmaxf(fmaxf(ca[0], ca[1]), fmaxf(ca[2], ca[3])), fmaxf(fmaxf(ca[4], ca[5]), fmaxf(ca[6], ca[7]))));
         if (!valid) return;
@@ -181,30 +187,37 @@ __device__ void mxfp8_tile(const Warp32x64<T>& x8, u64 r0, u64 c0, u64 k, float 
         if (q_col != nullptr) put_col_scales(es);
         return;
     }
-    float rm[8], cm[8];  // the multipliers of the lane's 8 rows and 8 columns
-    uint8_t re[2], ce[2];
-    // The writers compute the scales: row scales by lane h of a block, column scales by
-    // lane g of a column group.
-    if (q_row != nullptr) mxfp8_scales(ra, h, max_rcp, re, rm, [&](int q) { return (lane & ~3) | q; });
-    if (q_col != nullptr) mxfp8_scales(ca, g, max_rcp, ce, cm, [&](int q) { return (lane & 7) | (q << 3); });
-    if (!valid) return;
+    // One orientation at a time: amaxes, scales (computed by the writers: row scales by
+    // lane h of a block, column scales by lane g of a column group), bytes, scale bytes.
     if (q_row != nullptr) {
-        uint8_t* const qr = q_row + r * k + col;
+        float ra[8], rm[8];
+        uint8_t re[2];
+        mxfp8_row_amax<T>(x8, ra);
+        mxfp8_scales(ra, h, max_rcp, re, rm, [&](int q) { return (lane & ~3) | q; });
+        if (valid) {
+            uint8_t* const qr = q_row + r * k + col;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const float mul[4] = {rm[i], rm[i], rm[i], rm[i]};
-            *reinterpret_cast<uint2*>(qr + i * k) =
-                make_uint2(mxfp8_word<T, E4M3>(x8, i, 0, mul), mxfp8_word<T, E4M3>(x8, i, 1, mul));
+            for (int i = 0; i < 8; ++i) {
+                const float mul[4] = {rm[i], rm[i], rm[i], rm[i]};
+                *reinterpret_cast<uint2*>(qr + i * k) =
+                    make_uint2(mxfp8_word<T, E4M3>(x8, i, 0, mul), mxfp8_word<T, E4M3>(x8, i, 1, mul));
+            }
+            put_row_scales(re);
         }
-        put_row_scales(re);
     }
     if (q_col != nullptr) {
-        uint8_t* const qc = q_col + r * k + col;
+        float ca[8], cm[8];
+        uint8_t ce[2];
+        mxfp8_col_amax<T>(x8, ca);
+        mxfp8_scales(ca, g, max_rcp, ce, cm, [&](int q) { return (lane & 7) | (q << 3); });
+        if (valid) {
+            uint8_t* const qc = q_col + r * k + col;
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
-            *reinterpret_cast<uint2*>(qc + i * k) =
-                make_uint2(mxfp8_word<T, E4M3>(x8, i, 0, cm), mxfp8_word<T, E4M3>(x8, i, 1, cm + 4));
-        put_col_scales(ce);
+            for (int i = 0; i < 8; ++i)
+                *reinterpret_cast<uint2*>(qc + i * k) =
+                    make_uint2(mxfp8_word<T, E4M3>(x8, i, 0, cm), mxfp8_word<T, E4M3>(x8, i, 1, cm + 4));
+            put_col_scales(ce);
+        }
     }
 }
 

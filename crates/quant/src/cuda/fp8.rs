@@ -157,7 +157,8 @@ pub(crate) fn cast_into(
         // amax): x holds n elements of T, q n bytes, scale's live pointer and
         // scale_inv/amax one float each (amax may be null); 16-element steps read
         // 16-byte-aligned vectors (allocations are 256-byte aligned and steps start at
-        // multiples of 16 elements). The kernel waits (pdl_wait()) before anything else.
+        // multiples of 16 elements). After the amax pass the kernel loads only its first
+        // step of x before pdl_wait().
         unsafe { launch_params(&dev, &f, cfg, OP, order, &mut p) }?;
         out.put_buffer(BufferName::Data, q);
     }
