@@ -547,10 +547,24 @@ __device__ __forceinline__ void both_tables(BothShared& sh, const Nvfp4Args& a) 
     if (threadIdx.x == 0) sh.magic = 0x46800000u;
 }
 
+// The parts of the round-to-nearest both kernel that bench/cuda/nvfp4_cost.cu replaces
+// (in a type derived from this one) to measure what each costs: what a CTA does before
+// its loads, the fast path's encoders of 8 values times g to E2M1 magnitudes,
+// columnwise and rowwise, and the flush of the staged scale bytes. The library
+// instantiates only these.
+struct BothParts {
+    static __device__ __forceinline__ void start(const Nvfp4Args&, u64, u64) {}
+    static __device__ __forceinline__ uint32_t col_magnitudes(const float* v, float g) { return e2m1x8_magnitudes(v, g); }
+    static __device__ __forceinline__ uint32_t row_magnitudes(const float* v, float g) { return e2m1x8_magnitudes(v, g); }
+    static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
+        flush_both_scales(s, a, R0, C0);
+    }
+};
+
 // Quantizes the 128x128 tile at (R0, C0) of 2-byte inputs, the lane's values in d (zeros
 // when !valid), with the tables filled; synchronises the CTA twice (before its first
 // write to sh.stage, and before the flush).
-template <class T>
+template <class T, class Parts = BothParts>
 __device__ __forceinline__ void both_tile(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
                                           const Nvfp4Args& a, BothShared& sh) {
     const int cg = l.cg, g = l.g, rt = l.rt, ct = l.ct;
@@ -636,7 +650,7 @@ __device__ __forceinline__ void both_tile(const BothTile<T>& d, const BothLane& 
 #pragma unroll
                     for (int i = 0; i < 8; ++i) v[i] = h ? hi_f32<T>(c[i]) : lo_f32<T>(c[i]);
                     *reinterpret_cast<uint32_t*>(q + (2 * p + h) * (a.m / 2)) =
-                        e2m1x8_magnitudes(v, cgs[2 * p + h]) | (h ? shi : slo);
+                        Parts::col_magnitudes(v, cgs[2 * p + h]) | (h ? shi : slo);
                 }
             }
         }
@@ -646,12 +660,12 @@ __device__ __forceinline__ void both_tile(const BothTile<T>& d, const BothLane& 
             for (int i = 0; i < 8; ++i) {
                 float v[8];
                 row_values<T>(d.w[i], v);
-                *reinterpret_cast<uint32_t*>(q + i * (a.k / 2)) = e2m1x8_magnitudes(v, rgs[i]) | row_signs(d.w[i]);
+                *reinterpret_cast<uint32_t*>(q + i * (a.k / 2)) = Parts::row_magnitudes(v, rgs[i]) | row_signs(d.w[i]);
             }
         }
     }
     __syncthreads();
-    flush_both_scales(stage, a, R0, C0);
+    Parts::flush(stage, a, R0, C0);
 }
 
 // ---- 1-D blocks with the RHT and/or stochastic rounding (2-byte inputs) ------------------
@@ -851,14 +865,15 @@ __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLan
 }
 
 // The both kernel: round to nearest without the RHT (Rht = Sr = false; f32 inputs too),
-// or, for 2-byte inputs, both_tile_rs's recipes.
-template <class T, bool Rht = false, bool Sr = false>
+// or, for 2-byte inputs, both_tile_rs's recipes. Parts: both_tile's.
+template <class T, bool Rht = false, bool Sr = false, class Parts = BothParts>
 __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
     copy_amax(a);
     const BothLane l;
     const TileRC tile = tile_banded((uint32_t)((a.m + 127) / 128));
     const u64 R0 = (u64)tile.row * 128, C0 = (u64)tile.col * 128;  // the CTA's tile
     if (R0 >= a.m) return;  // past the last band's rows (the whole CTA)
+    Parts::start(a, R0, C0);
     const u64 r0 = R0 + l.rt, col = C0 + l.ct;  // the lane's first row and column
     // m, k multiples of 16: both lanes of a pair are in or out together, so the
     // shuffles below pair valid lanes with valid lanes.
@@ -891,7 +906,7 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
         __shared__ BothShared sh;
         both_tables(sh, a);
         if constexpr (Rht || Sr) both_tile_rs<T, Rht, Sr>(d, l, R0, C0, valid, a, sh);
-        else both_tile<T>(d, l, R0, C0, valid, a, sh);
+        else both_tile<T, Parts>(d, l, R0, C0, valid, a, sh);
     }
 }
 

@@ -1,0 +1,261 @@
+// What the parts of the NVFP4 both kernel cost (not shipped): the kernel with one of
+// both_tile's Parts replaced. The fast path's E2M1 encoder, per orientation, by one that
+// does one operation per value, or none: how the time moves with the instruction count
+// (if removing a fifth of the instructions buys little time, they do not bound it). The
+// flush of compact scale bytes by none, by one grid's, or by a thread per scale row.
+// Outputs that differ from the shipped kernel's differ on purpose. bf16 inputs that take
+// the fast path everywhere, compact and swizzled scales.
+// Build on the GPU machine:
+//   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
+//        bench/cuda/nvfp4_cost.cu -o nc && ./nc
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "fp8.cu"
+#include "sm90.cuh"
+#include "harness.cuh"
+#include "nvfp4.cu"
+
+// One integer operation per value (its float bits, shifted into its nibble), the scale
+// folded in once: the conversion from bf16 stays, the multiply and rounding go.
+__device__ __forceinline__ uint32_t one_op(const float* v, float g) {
+    uint32_t w = __float_as_uint(g);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) w ^= __float_as_uint(v[j]) >> (4 * j);
+    return w & 0x77777777u;
+}
+// No operation per value: the conversions become dead code too.
+__device__ __forceinline__ uint32_t no_op(const float*, float g) { return __float_as_uint(g) & 0x77777777u; }
+
+struct ColsOneOp : BothParts {
+    static __device__ __forceinline__ uint32_t col_magnitudes(const float* v, float g) { return one_op(v, g); }
+};
+struct RowsOneOp : BothParts {
+    static __device__ __forceinline__ uint32_t row_magnitudes(const float* v, float g) { return one_op(v, g); }
+};
+struct BothOneOp : ColsOneOp {
+    static __device__ __forceinline__ uint32_t row_magnitudes(const float* v, float g) { return one_op(v, g); }
+};
+struct NoOp : BothParts {
+    static __device__ __forceinline__ uint32_t col_magnitudes(const float* v, float g) { return no_op(v, g); }
+    static __device__ __forceinline__ uint32_t row_magnitudes(const float* v, float g) { return no_op(v, g); }
+};
+
+// Scale flushes (compact scales only; swizzled ones keep the shipped flush).
+// No scale bytes at all.
+struct NoScales : BothParts {
+    static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
+        if (a.swizzled) flush_both_scales(s, a, R0, C0);
+    }
+};
+// Only one grid's bytes: the rowwise (Rows) or the columnwise one.
+template <bool Rows> struct OneGrid : BothParts {
+    static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
+        Nvfp4Args b = a;
+        if (!a.swizzled) (Rows ? b.q_col : b.q_row) = nullptr;
+        flush_both_scales(s, b, R0, C0);
+    }
+};
+// A thread per scale row, its 8 bytes in one store (threads 0-127 the rowwise grid's
+// rows, 128-255 the columnwise one's): a warp instruction covers 32 rows. The shapes
+// here keep both grids' pitches multiples of 8.
+template <bool Streaming> struct Rows8 : BothParts {
+    static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
+        if (a.swizzled) return flush_both_scales(s, a, R0, C0);
+        const int t = threadIdx.x, r = t & 127;
+        const bool rows = t < 128;
+        const u64 i = (rows ? R0 : C0) + r, j = (rows ? C0 : R0) / 16;
+        if (i >= (rows ? a.m : a.k) || j >= (rows ? a.k : a.m) / 16) return;
+        uint2* dst = reinterpret_cast<uint2*>((rows ? a.s_row : a.s_col) + i * (rows ? a.s_row_cols : a.s_col_cols) + j);
+        const uint32_t* w = reinterpret_cast<const uint32_t*>(rows ? &s.row[r][0] : &s.col[r][0]);
+        const uint2 v = make_uint2(w[0], w[1]);  // the staged rows are 4-byte aligned only
+        if (Streaming) __stcs(dst, v);
+        else *dst = v;
+    }
+};
+
+// The compact flush with an L2 eviction priority on its stores (createpolicy):
+// Last = evict_last, else evict_first.
+template <bool Last> struct HintedScales : BothParts {
+    static __device__ __forceinline__ void st(uint8_t* p, uint32_t v) {
+        uint64_t pol;
+        if (Last) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+        else asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+        asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;" ::"l"(p), "r"(v), "l"(pol) : "memory");
+    }
+    static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
+        if (a.swizzled) return flush_both_scales(s, a, R0, C0);
+        const int t = threadIdx.x;
+        const u64 r = R0 + t / 2, jb = C0 / 16 + 4 * (t % 2);
+        if (r < a.m && jb < a.k / 16) st(a.s_row + r * a.s_row_cols + jb, *reinterpret_cast<const uint32_t*>(&s.row[t / 2][4 * (t % 2)]));
+        const u64 c = C0 + t / 2, ib = R0 / 16 + 4 * (t % 2);
+        if (c < a.k && ib < a.m / 16) st(a.s_col + c * a.s_col_cols + ib, *reinterpret_cast<const uint32_t*>(&s.col[t / 2][4 * (t % 2)]));
+    }
+};
+// The same bytes in the wrong places: each CTA's 1 KiB of each grid as one contiguous
+// run of 16-byte stores (threads 0-63 rowwise, 64-127 columnwise), what the cheapest
+// layout would cost.
+struct ContiguousScales : BothParts {
+    static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64, u64) {
+        if (a.swizzled) return;
+        const int t = threadIdx.x;
+        if (t >= 128) return;
+        const u64 cta = (u64)blockIdx.y * gridDim.x + blockIdx.x;
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(t < 64 ? &s.row[0][0] : &s.col[0][0]) + 4 * (t & 63);
+        uint4* dst = reinterpret_cast<uint4*>((t < 64 ? a.s_row : a.s_col) + cta * 1024) + (t & 63);
+        *dst = make_uint4(src[0], src[1], src[2], src[3]);
+    }
+};
+
+// The shipped flush, with the L2 lines its compact scale bytes go to prefetched when
+// the CTA starts (thread t < 128: the line of rowwise scale row R0 + t, else of
+// columnwise row C0 + t - 128).
+// Prefetch = 0: plain; 1: with evict_last priority; 2: evict_last, and the lines set back
+// to evict_normal after the flush.
+__device__ __forceinline__ const uint8_t* scale_line(const Nvfp4Args& a, u64 R0, u64 C0) {
+    const int t = threadIdx.x, r = t & 127;
+    const bool rows = t < 128;
+    const u64 i = (rows ? R0 : C0) + r, j = (rows ? C0 : R0) / 16;
+    if (i >= (rows ? a.m : a.k) || j >= (rows ? a.k : a.m) / 16) return nullptr;
+    return (rows ? a.s_row : a.s_col) + i * (rows ? a.s_row_cols : a.s_col_cols) + j;
+}
+template <int Prefetch> struct PrefetchScales : BothParts {
+    static __device__ __forceinline__ void start(const Nvfp4Args& a, u64 R0, u64 C0) {
+        const uint8_t* p = a.swizzled ? nullptr : scale_line(a, R0, C0);
+        if (p == nullptr) return;
+        if (Prefetch == 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+        else asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
+    }
+    static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
+        flush_both_scales(s, a, R0, C0);
+        if (Prefetch != 2 || a.swizzled) return;
+        const uint8_t* p = scale_line(a, R0, C0);
+        if (p == nullptr) return;
+        p = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(p) & ~(uintptr_t)127);
+        asm volatile("applypriority.global.L2::evict_normal [%0], 128;" ::"l"(p) : "memory");
+    }
+};
+
+template <class Parts>
+__global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) cost_var(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
+    nvfp4_both_impl<__nv_bfloat16, false, false, Parts>(x, a);
+}
+
+static void run_shape(u64 M, u64 K) {
+    const u64 n = M * K;
+    const std::vector<uint16_t> h = bf16_input(n, true);
+    __nv_bfloat16* x;
+    uint8_t *q, *qt, *sr, *sc, *tmp;
+    float* amax;
+    CK(cudaMalloc(&x, n * 2));
+    CK(cudaMalloc(&tmp, n * 2));
+    CK(cudaMalloc(&q, n / 2));
+    CK(cudaMalloc(&qt, n / 2));
+    const u64 sr_cols = (K / 16 + 3) / 4 * 4, sc_cols = (M / 16 + 3) / 4 * 4;
+    const u64 s_bytes = std::max((M + 127) / 128 * 128 * sr_cols, (K + 127) / 128 * 128 * sc_cols);
+    CK(cudaMalloc(&sr, s_bytes));
+    CK(cudaMalloc(&sc, s_bytes));
+    CK(cudaMalloc(&amax, 4));
+    CK(cudaMemcpy(x, h.data(), n * 2, cudaMemcpyHostToDevice));
+    const float ms_copy = time_ms([&] { CK(cudaMemcpyAsync(tmp, x, n * 2, cudaMemcpyDeviceToDevice)); });
+    const double copy_gbs = 4.0 * n / ms_copy / 1e6;
+    std::printf("\n[%llu, %llu] normal inputs; cudaMemcpy d2d %.4f ms %.1f GB/s\n", (unsigned long long)M,
+                (unsigned long long)K, ms_copy, copy_gbs);
+    const unsigned amax_grid = (unsigned)std::min<u64>((n / 8 + 255) / 256, 4ull * 132 * 8);
+    CK(cudaMemset(amax, 0, 4));
+    tessera_amax_bf16<<<amax_grid, 256>>>(x, n, amax);
+    CK(cudaDeviceSynchronize());
+    const double bytes = 2.0 * n + 2 * (n / 2.0 + n / 16.0);
+    const u64 gx = (M + 127) / 128, gy = (K + 127) / 128;
+    u64 hb = 1;
+    while (hb < gx && hb < (1u << TQ_BAND_ROWS_LOG2)) hb *= 2;
+    const dim3 grid((unsigned)(hb * gy), (unsigned)((gx + hb - 1) / hb));
+    for (int swz = 0; swz < 2; ++swz) {
+        Nvfp4Args a{};
+        a.m = M;
+        a.k = K;
+        a.amax_row = amax;
+        a.amax_col = amax;
+        a.q_row = q;
+        a.s_row = sr;
+        a.s_row_cols = sr_cols;
+        a.q_col = qt;
+        a.s_col = sc;
+        a.s_col_cols = sc_cols;
+        a.swizzled = swz;
+        auto run = [&](auto kernel, const char* label) {
+            CK(cudaMemset(q, 0xA5, n / 2));
+            CK(cudaMemset(qt, 0xA5, n / 2));
+            CK(cudaMemset(sr, 0, s_bytes));
+            CK(cudaMemset(sc, 0, s_bytes));
+            const float t = time_ms([&] { kernel<<<grid, 256>>>(x, a); });
+            char name[96];
+            std::snprintf(name, sizeof name, "%s%s", label, swz ? ", swizzled" : "");
+            report_hashes(name, t, bytes, copy_gbs, {{q, n / 2}, {qt, n / 2}, {sr, n / 16}, {sc, n / 16}});
+        };
+        if (std::getenv("NC_ORDER") != nullptr) {
+            // Whether a variant changes the time of the kernel after it.
+            if (swz) continue;
+            run(tessera_nvfp4_both_bf16, "shipped");
+            run(cost_var<PrefetchScales<0>>, "scale lines prefetched to L2");
+            run(tessera_nvfp4_both_bf16, "shipped");
+            run(cost_var<PrefetchScales<2>>, "prefetched evict_last, reset after");
+            run(tessera_nvfp4_both_bf16, "shipped");
+            run(cost_var<PrefetchScales<1>>, "prefetched evict_last");
+            run(tessera_nvfp4_both_bf16, "shipped");
+            run(cost_var<ContiguousScales>, "scale bytes contiguous per CTA");
+            run(tessera_nvfp4_both_bf16, "shipped");
+            run(tessera_nvfp4_both_bf16, "shipped");
+            run(cost_var<HintedScales<false>>, "scale stores L2::evict_first");
+            run(tessera_nvfp4_both_bf16, "shipped");
+            run(cost_var<HintedScales<true>>, "scale stores L2::evict_last");
+            run(tessera_nvfp4_both_bf16, "shipped");
+            run(cost_var<PrefetchScales<0>>, "scale lines prefetched to L2");
+            run(tessera_nvfp4_both_bf16, "shipped");
+            run(cost_var<NoScales>, "no scale bytes");
+            run(tessera_nvfp4_both_bf16, "shipped");
+            run(cost_var<Rows8<false>>, "a thread per scale row");
+            run(tessera_nvfp4_both_bf16, "shipped");
+            continue;
+        }
+        for (int pass = 0; pass < 2; ++pass) {
+            run(tessera_nvfp4_both_bf16, "shipped");
+            run(cost_var<BothParts>, "same parts");
+            run(cost_var<ColsOneOp>, "columns one op a value");
+            run(cost_var<RowsOneOp>, "rows one op a value");
+            run(cost_var<BothOneOp>, "both one op a value");
+            run(cost_var<NoOp>, "no op a value");
+            if (!swz) {
+                run(cost_var<NoScales>, "no scale bytes");
+                run(cost_var<OneGrid<true>>, "rowwise scale bytes only");
+                run(cost_var<OneGrid<false>>, "columnwise scale bytes only");
+                run(cost_var<Rows8<false>>, "a thread per scale row");
+                run(cost_var<Rows8<true>>, "a thread per scale row, st.cs");
+                run(cost_var<HintedScales<true>>, "scale stores L2::evict_last");
+                run(cost_var<HintedScales<false>>, "scale stores L2::evict_first");
+                run(cost_var<ContiguousScales>, "scale bytes contiguous per CTA");
+                run(cost_var<PrefetchScales<0>>, "scale lines prefetched to L2");
+            }
+        }
+    }
+    CK(cudaFree(x));
+    CK(cudaFree(tmp));
+    CK(cudaFree(q));
+    CK(cudaFree(qt));
+    CK(cudaFree(sr));
+    CK(cudaFree(sc));
+    CK(cudaFree(amax));
+}
+
+int main() {
+    int dev;
+    CK(cudaGetDevice(&dev));
+    cudaDeviceProp p;
+    CK(cudaGetDeviceProperties(&p, dev));
+    std::printf("%s, %d SMs\n", p.name, p.multiProcessorCount);
+    run_shape(16384, 8192);
+    run_shape(4096, 4096);
+    return 0;
+}
