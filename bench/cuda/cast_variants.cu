@@ -106,10 +106,7 @@ int main() {
     const u64 n = M * K;
     const std::vector<uint16_t> h = bf16_input(n);
     Fp8Buffers b(n, h, 3.0f);
-    int dev;
-    CK(cudaGetDevice(&dev));
-    cudaDeviceProp p;
-    CK(cudaGetDeviceProperties(&p, dev));
+    const cudaDeviceProp p = device_props();
     std::printf("%s, %d SMs; bf16 [%llu, %llu]\n", p.name, p.multiProcessorCount, (unsigned long long)M,
                 (unsigned long long)K);
     b.time_copy();

@@ -44,6 +44,15 @@ template <class F> static float time_ms(F launch) {
     return t[t.size() / 2];
 }
 
+// The current device's properties.
+static cudaDeviceProp device_props() {
+    int dev;
+    CK(cudaGetDevice(&dev));
+    cudaDeviceProp p;
+    CK(cudaGetDeviceProperties(&p, dev));
+    return p;
+}
+
 static uint64_t fnv(const void* d, size_t n) {
     std::vector<uint8_t> h(n);
     CK(cudaMemcpy(h.data(), d, n, cudaMemcpyDeviceToHost));

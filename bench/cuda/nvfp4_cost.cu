@@ -17,6 +17,7 @@
 #include "sm90.cuh"
 #include "harness.cuh"
 #include "nvfp4.cu"
+#include "nvfp4_buffers.cuh"
 
 // One integer operation per value (its float bits, shifted into its nibble), the scale
 // folded in once: the conversion from bf16 stays, the multiply and rounding go.
@@ -144,56 +145,19 @@ __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) cost_var(const __nv_bflo
 }
 
 static void run_shape(u64 M, u64 K) {
-    const u64 n = M * K;
-    const std::vector<uint16_t> h = bf16_input(n, true);
-    __nv_bfloat16* x;
-    uint8_t *q, *qt, *sr, *sc, *tmp;
-    float* amax;
-    CK(cudaMalloc(&x, n * 2));
-    CK(cudaMalloc(&tmp, n * 2));
-    CK(cudaMalloc(&q, n / 2));
-    CK(cudaMalloc(&qt, n / 2));
-    const u64 sr_cols = (K / 16 + 3) / 4 * 4, sc_cols = (M / 16 + 3) / 4 * 4;
-    const u64 s_bytes = std::max((M + 127) / 128 * 128 * sr_cols, (K + 127) / 128 * 128 * sc_cols);
-    CK(cudaMalloc(&sr, s_bytes));
-    CK(cudaMalloc(&sc, s_bytes));
-    CK(cudaMalloc(&amax, 4));
-    CK(cudaMemcpy(x, h.data(), n * 2, cudaMemcpyHostToDevice));
-    const float ms_copy = time_ms([&] { CK(cudaMemcpyAsync(tmp, x, n * 2, cudaMemcpyDeviceToDevice)); });
-    const double copy_gbs = 4.0 * n / ms_copy / 1e6;
-    std::printf("\n[%llu, %llu] normal inputs; cudaMemcpy d2d %.4f ms %.1f GB/s\n", (unsigned long long)M,
-                (unsigned long long)K, ms_copy, copy_gbs);
-    const unsigned amax_grid = (unsigned)std::min<u64>((n / 8 + 255) / 256, 4ull * 132 * 8);
-    CK(cudaMemset(amax, 0, 4));
-    tessera_amax_bf16<<<amax_grid, 256>>>(x, n, amax);
-    CK(cudaDeviceSynchronize());
+    const Nvfp4Buffers b(M, K, true);
+    const u64 n = b.n;
     const double bytes = 2.0 * n + 2 * (n / 2.0 + n / 16.0);
-    const u64 gx = (M + 127) / 128, gy = (K + 127) / 128;
-    u64 hb = 1;
-    while (hb < gx && hb < (1u << TQ_BAND_ROWS_LOG2)) hb *= 2;
-    const dim3 grid((unsigned)(hb * gy), (unsigned)((gx + hb - 1) / hb));
+    const dim3 grid = b.both_grid();
     for (int swz = 0; swz < 2; ++swz) {
-        Nvfp4Args a{};
-        a.m = M;
-        a.k = K;
-        a.amax_row = amax;
-        a.amax_col = amax;
-        a.q_row = q;
-        a.s_row = sr;
-        a.s_row_cols = sr_cols;
-        a.q_col = qt;
-        a.s_col = sc;
-        a.s_col_cols = sc_cols;
+        Nvfp4Args a = b.args(b.amax, true);
         a.swizzled = swz;
         auto run = [&](auto kernel, const char* label) {
-            CK(cudaMemset(q, 0xA5, n / 2));
-            CK(cudaMemset(qt, 0xA5, n / 2));
-            CK(cudaMemset(sr, 0, s_bytes));
-            CK(cudaMemset(sc, 0, s_bytes));
-            const float t = time_ms([&] { kernel<<<grid, 256>>>(x, a); });
+            b.clear();
+            const float t = time_ms([&] { kernel<<<grid, 256>>>(b.x, a); });
             char name[96];
             std::snprintf(name, sizeof name, "%s%s", label, swz ? ", swizzled" : "");
-            report_hashes(name, t, bytes, copy_gbs, {{q, n / 2}, {qt, n / 2}, {sr, n / 16}, {sc, n / 16}});
+            report_hashes(name, t, bytes, b.copy_gbs, {{b.q, n / 2}, {b.qt, n / 2}, {b.sr, n / 16}, {b.sc, n / 16}});
         };
         if (std::getenv("NC_ORDER") != nullptr) {
             // Whether a variant changes the time of the kernel after it.
@@ -240,20 +204,10 @@ static void run_shape(u64 M, u64 K) {
             }
         }
     }
-    CK(cudaFree(x));
-    CK(cudaFree(tmp));
-    CK(cudaFree(q));
-    CK(cudaFree(qt));
-    CK(cudaFree(sr));
-    CK(cudaFree(sc));
-    CK(cudaFree(amax));
 }
 
 int main() {
-    int dev;
-    CK(cudaGetDevice(&dev));
-    cudaDeviceProp p;
-    CK(cudaGetDeviceProperties(&p, dev));
+    const cudaDeviceProp p = device_props();
     std::printf("%s, %d SMs\n", p.name, p.multiProcessorCount);
     run_shape(16384, 8192);
     run_shape(4096, 4096);

@@ -15,6 +15,7 @@
 #include "sm90.cuh"
 #include "harness.cuh"
 #include "nvfp4.cu"
+#include "nvfp4_buffers.cuh"
 
 // ---- variants of the shipped kernels' parameters -------------------------------------
 
@@ -244,60 +245,23 @@ __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) both_ahead(const __nv_bf
 }
 
 static void run_shape(u64 M, u64 K, int normal) {
-    const u64 n = M * K;
-    const std::vector<uint16_t> h = bf16_input(n, normal != 0);
-    __nv_bfloat16* x;
-    uint8_t *q, *qt, *sr, *sc, *tmp;
-    float* amax;
-    CK(cudaMalloc(&x, n * 2));
-    CK(cudaMalloc(&tmp, n * 2));
-    CK(cudaMalloc(&q, n / 2));
-    CK(cudaMalloc(&qt, n / 2));
-    // Scale grids padded as the library pads them (rows to 128, columns to 4), so that
-    // the both kernel's 4-byte scale stores stay aligned on ragged shapes.
-    const u64 sr_cols = (K / 16 + 3) / 4 * 4, sc_cols = (M / 16 + 3) / 4 * 4;
-    const u64 s_bytes = std::max((M + 127) / 128 * 128 * sr_cols, (K + 127) / 128 * 128 * sc_cols);
-    CK(cudaMalloc(&sr, s_bytes));
-    CK(cudaMalloc(&sc, s_bytes));
-    CK(cudaMalloc(&amax, 4));
-    CK(cudaMemcpy(x, h.data(), n * 2, cudaMemcpyHostToDevice));
-    const float ms_copy = time_ms([&] { CK(cudaMemcpyAsync(tmp, x, n * 2, cudaMemcpyDeviceToDevice)); });
-    const double copy_gbs = 4.0 * n / ms_copy / 1e6;
-    std::printf("\n[%llu, %llu] %s inputs; cudaMemcpy d2d %.4f ms %.1f GB/s\n", (unsigned long long)M,
-                (unsigned long long)K, normal ? "normal" : "wide-range + NaN/Inf/0", ms_copy, copy_gbs);
-    // The library's grid for the amax pass (grid_1d: 4 waves of 8 CTAs per SM at most).
-    const unsigned amax_grid = (unsigned)std::min<u64>((n / 8 + 255) / 256, 4ull * 132 * 8);
-    CK(cudaMemset(amax, 0, 4));
-    tessera_amax_bf16<<<amax_grid, 256>>>(x, n, amax);
+    const Nvfp4Buffers b(M, K, normal != 0);
+    const u64 n = b.n;
+    const double copy_gbs = b.copy_gbs;
+    __nv_bfloat16* x = b.x;
+    uint8_t *q = b.q, *qt = b.qt, *sr = b.sr, *sc = b.sc;
+    float* amax = b.amax;
+    const unsigned amax_grid = b.amax_grid;
     const float ms_a = time_ms([&] {
         CK(cudaMemsetAsync(amax, 0, 4));
         tessera_amax_bf16<<<amax_grid, 256>>>(x, n, amax);
     });
     std::printf("%-40s %8.4f ms %8.1f GB/s %6.3f of copy\n", "amax (memset + kernel)", ms_a, 2.0 * n / ms_a / 1e6,
                 2.0 * n / ms_a / 1e6 / copy_gbs);
-    auto clear = [&] {
-        CK(cudaMemset(q, 0xA5, n / 2));
-        CK(cudaMemset(qt, 0xA5, n / 2));
-        // Scale padding cleared, as the library clears it (the both kernel writes it).
-        CK(cudaMemset(sr, 0, s_bytes));
-        CK(cudaMemset(sc, 0, s_bytes));
-    };
+    auto clear = [&] { b.clear(); };
+    const u64 sr_cols = b.sr_cols;
     const double in = 2.0 * n, ob = n / 2.0 + n / 16.0;
-    // The kernels' arguments for this shape's buffers (columnwise ones when `both`).
-    auto args = [&](const float* amax_col, bool both) {
-        Nvfp4Args a{};
-        a.m = M;
-        a.k = K;
-        a.amax_row = amax;
-        a.amax_col = amax_col;
-        a.q_row = q;
-        a.s_row = sr;
-        a.s_row_cols = sr_cols;
-        a.q_col = both ? qt : nullptr;
-        a.s_col = both ? sc : nullptr;
-        a.s_col_cols = sc_cols;
-        return a;
-    };
+    auto args = [&](const float* amax_col, bool both) { return b.args(amax_col, both); };
     for (int both = 0; both < 2; ++both) {
         for (int swz = 0; swz < (M % 128 == 0 && K % 64 == 0 ? 2 : 1); ++swz) {
             auto report = [&](const char* name, float ms) {
@@ -332,10 +296,8 @@ static void run_shape(u64 M, u64 K, int normal) {
                 row(row_var<4>, 4, "row 16x1024 (4 blocks/thread)");
             } else {
                 // 128x128 tiles in bands (banded_grid in crates/quant/src/cuda/mod.rs).
-                const u64 gx = (M + 127) / 128, gy = (K + 127) / 128;
                 u64 h = 1;
-                while (h < gx && h < (1u << TQ_BAND_ROWS_LOG2)) h *= 2;
-                const dim3 grid((unsigned)(h * gy), (unsigned)((gx + h - 1) / h));
+                const dim3 grid = b.both_grid(&h);
                 auto both_run = [&](auto kernel, const char* label) {
                     clear();
                     const float t = time_ms([&] { kernel<<<grid, 256>>>(x, a); });
@@ -450,10 +412,7 @@ static void run_shape(u64 M, u64 K, int normal) {
                         (unsigned long long)fnv(sr, n / 16), (unsigned long long)fnv(qt, n / 2),
                         (unsigned long long)fnv(sc, n / 16));
         };
-        const u64 gx = (M + 127) / 128, gy = (K + 127) / 128;
-        u64 hb = 1;
-        while (hb < gx && hb < (1u << TQ_BAND_ROWS_LOG2)) hb *= 2;
-        const dim3 grid((unsigned)(hb * gy), (unsigned)((gx + hb - 1) / hb));
+        const dim3 grid = b.both_grid();
         auto rs = [&](auto kernel, const char* label) {
             clear();
             const float t = time_ms([&] { kernel<<<grid, 256>>>(x, a); });
@@ -492,20 +451,10 @@ static void run_shape(u64 M, u64 K, int normal) {
         rs(tessera_nvfp4_both_sr_bf16, "both sr (no rht)");
         CK(cudaFree(amax_rht));
     }
-    CK(cudaFree(x));
-    CK(cudaFree(tmp));
-    CK(cudaFree(q));
-    CK(cudaFree(qt));
-    CK(cudaFree(sr));
-    CK(cudaFree(sc));
-    CK(cudaFree(amax));
 }
 
 int main() {
-    int dev;
-    CK(cudaGetDevice(&dev));
-    cudaDeviceProp p;
-    CK(cudaGetDeviceProperties(&p, dev));
+    const cudaDeviceProp p = device_props();
     std::printf("%s, %d SMs\n", p.name, p.multiProcessorCount);
     run_shape(16384, 8192, 1);
     run_shape(16384, 8192, 0);

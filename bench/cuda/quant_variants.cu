@@ -39,10 +39,7 @@ int main() {
     __nv_bfloat16* x = b.x;
     uint8_t *q = b.q, *qt = b.qt;
     float *sr = b.sr, *sc = b.sc, *scale = b.scale, *sinv = b.sinv, *amax = b.amax;
-    int dev;
-    CK(cudaGetDevice(&dev));
-    cudaDeviceProp p;
-    CK(cudaGetDeviceProperties(&p, dev));
+    const cudaDeviceProp p = device_props();
 #ifdef OLD_KERNELS
     std::printf("%s, %d SMs; previous kernels\n", p.name, p.multiProcessorCount);
 #else
