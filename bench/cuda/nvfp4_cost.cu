@@ -2,9 +2,13 @@
 // both_tile's Parts replaced. The fast path's E2M1 encoder, per orientation, by one that
 // does one operation per value, or none: how the time moves with the instruction count
 // (if removing a fifth of the instructions buys little time, they do not bound it). The
-// flush of compact scale bytes by none, by one grid's, or by a thread per scale row.
-// Outputs that differ from the shipped kernel's differ on purpose. bf16 inputs that take
-// the fast path everywhere, compact and swizzled scales.
+// flush of compact scale bytes by none, by one grid's, by a thread per scale row, with
+// cache hints or prefetched lines, or in the wrong places but contiguously. Outputs that
+// differ from the shipped kernel's differ on purpose. bf16 inputs that take the fast
+// path everywhere, compact and swizzled scales. NC_ORDER=1 runs the shipped kernel
+// between the flush variants instead (whether one leaves the next kernel faster);
+// NC_TWO_STEP=1 times compact scales written through a per-tile scratch and a second
+// kernel, whose bytes must hash as the shipped kernel's.
 // Build on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
 //        bench/cuda/nvfp4_cost.cu -o nc && ./nc
