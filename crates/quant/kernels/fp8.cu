@@ -66,18 +66,27 @@ __device__ __forceinline__ float cast_scale(const Fp8Scale& s) {
 
 // ---- cast ----------------------------------------------------------------------------
 
-// Rowwise cast, 16 elements per step (16 output bytes). scale_inv[0] = 1 / scale is
-// written by thread 0; amax (if not null) collects NaN-ignoring max |x| (delayed scaling
-// records it into its history). A thread's first step is loaded before pdl_wait and the
-// scale's load, so that the two memory latencies overlap (launch_params lets a kernel
-// after the amax pass read its input early; an ordinary launch starts after the kernel
-// before it anyway).
+// Steps of 16 elements a thread loads before it converts any (a round); the launch
+// (cast_into in crates/quant/src/cuda/fp8.rs, CAST_ROUND) sizes the grid for them.
+// bench/cuda/cast_variants.cu on an H100, bf16 4096x4096, of a copy: one step 1.013,
+// two 1.030, four 1.003; 16384x8192 (grid capped at 4 waves): 0.997 / 0.997 / 1.000.
+#ifndef TQ_CAST_ROUND
+#define TQ_CAST_ROUND 2
+#endif
+
+// Rowwise cast, 16 elements per step (16 output bytes), TQ_CAST_ROUND grid-strided steps
+// a round. scale_inv[0] = 1 / scale is written by thread 0; amax (if not null) collects
+// NaN-ignoring max |x| (delayed scaling records it into its history). A thread's first
+// round is loaded before pdl_wait and the scale's load, so that the two memory latencies
+// overlap (launch_params lets a kernel after the amax pass read its input early; an
+// ordinary launch starts after the kernel before it anyway).
 template <class T, bool E4M3>
 __device__ void cast_impl(const T* __restrict__ x, uint8_t* __restrict__ q, u64 n, const Fp8Scale sa,
                           float* __restrict__ scale_inv, float* __restrict__ amax) {
     __shared__ float smem[32];
     constexpr int V = 16 / sizeof(T);  // elements per 16-byte load
     constexpr int L = 16 / V;          // loads per step
+    constexpr int U = TQ_CAST_ROUND;
     const u64 steps = n / 16;
     const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 stride = (u64)gridDim.x * blockDim.x;
@@ -86,26 +95,38 @@ __device__ void cast_impl(const T* __restrict__ x, uint8_t* __restrict__ q, u64 
     union Step {
         uint4 v[L];
         T e[16];
-    } u;
-    auto load = [&](u64 i) {
+    } u[U];
+    // Round i0: steps i0, i0 + stride, ... (those below steps).
+    auto load = [&](u64 i0) {
 #pragma unroll
-        for (int l = 0; l < L; ++l) u.v[l] = reinterpret_cast<const uint4*>(x)[step_at(i) * L + l];
+        for (int r = 0; r < U; ++r) {
+            const u64 i = i0 + r * stride;
+            if (i < steps) {
+#pragma unroll
+                for (int l = 0; l < L; ++l) u[r].v[l] = reinterpret_cast<const uint4*>(x)[step_at(i) * L + l];
+            }
+        }
     };
-    if (tid < steps) load(tid);
+    load(tid);
     pdl_wait();  // the scale or amax comes from the kernel before
     const float scale = cast_scale(sa);
     if (tid == 0) scale_inv[0] = __frcp_rn(scale);
     float m = 0.0f;
-    for (u64 i = tid; i < steps; i += stride) {
-        if (i != tid) load(i);
-        union { uint4 v; uint16_t h[8]; } o;
+    for (u64 i0 = tid; i0 < steps; i0 += U * stride) {
+        if (i0 != tid) load(i0);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float a = In<T>::f32(u.e[2 * j]), b = In<T>::f32(u.e[2 * j + 1]);
-            m = fmaxf(m, fmaxf(fabsf(a), fabsf(b)));
-            o.h[j] = fp8x2<E4M3>(a * scale, b * scale);
+        for (int r = 0; r < U; ++r) {
+            const u64 i = i0 + r * stride;
+            if (i >= steps) break;
+            union { uint4 v; uint16_t h[8]; } o;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float a = In<T>::f32(u[r].e[2 * j]), b = In<T>::f32(u[r].e[2 * j + 1]);
+                m = fmaxf(m, fmaxf(fabsf(a), fabsf(b)));
+                o.h[j] = fp8x2<E4M3>(a * scale, b * scale);
+            }
+            reinterpret_cast<uint4*>(q)[step_at(i)] = o.v;
         }
-        reinterpret_cast<uint4*>(q)[step_at(i)] = o.v;
     }
     for (u64 i = steps * 16 + tid; i < n; i += stride) {
         const float a = In<T>::f32(x[i]);

@@ -12,6 +12,11 @@ use super::{
 use crate::values::check_input;
 use crate::{AmaxComputeAlgo, BufferName, DelayedScalingState, Fp8Format, QuantizedTensor};
 
+/// Steps of 16 elements each thread of the rowwise cast loads per round
+/// (`TQ_CAST_ROUND` in kernels/fp8.cu): the grid covers `numel / (16 * CAST_ROUND)`
+/// threads before its cap.
+const CAST_ROUND: usize = 2;
+
 /// NaN-ignoring `max |x|` of a CUDA tensor into a new device `f32 [1]`.
 pub(crate) fn amax(x: &Tensor) -> Result<Tensor> {
     let mut out = Tensor::empty([1], DType::F32, x.device())?;
@@ -149,7 +154,7 @@ pub(crate) fn cast_into(
         let q = out.take_buffer(BufferName::Data)?;
         let f = dev.function(&FP8_PTX, &format!("tessera_fp8_cast_{sfx}_{fmt}"))?;
         let n = x.numel() as u64;
-        let cfg = grid_1d(&dev, x.numel().div_ceil(16), BLOCK)?;
+        let cfg = grid_1d(&dev, x.numel().div_ceil(16 * CAST_ROUND), BLOCK)?;
         let qa = device_addr(&dev, &q)?;
         let mut p = Params::default();
         p.arg(&xa).arg(&qa).arg(&n).arg(&sa).arg(&sia).arg(&amax);
