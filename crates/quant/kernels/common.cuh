@@ -597,13 +597,9 @@ template <class T> struct Tile128 {
         }
     }
 
-    // NaN-ignoring max |x| of each of the thread's 16 columns over the 16 rows of its
-    // warp (its 4 rows, then the 4 row groups of the warp, lanes xor 8, 16).
-    __device__ void col_amax(float* ca) const {
-        col_amax(ca, 0);
-        col_amax(ca + 8, 1);
-    }
-    // The same for the thread's columns 8*half .. 8*half + 7 only (ca[0 .. 8)).
+    // NaN-ignoring max |x| of the thread's columns 8*half .. 8*half + 7 (of its 16) into
+    // ca[0 .. 8), each over the 16 rows of its warp (its 4 rows, then the 4 row groups of
+    // the warp, lanes xor 8, 16).
     __device__ void col_amax(float* ca, int half) const {
         if constexpr (sizeof(T) == 2) {
 #pragma unroll

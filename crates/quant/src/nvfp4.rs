@@ -564,6 +564,17 @@ impl Quantizer for Nvfp4Quantizer {
     }
 }
 
+/// The global amax buffer of one orientation of an NVFP4 tensor (`columnwise`: the
+/// transposed operand's), or an error naming it when the tensor lacks it.
+pub(crate) fn amax_buffer(qt: &QuantizedTensor, columnwise: bool) -> Result<&Tensor> {
+    let n = if columnwise {
+        BufferName::ColumnwiseAmax
+    } else {
+        BufferName::Amax
+    };
+    qt.buffer(n).ok_or_else(|| crate::fp8::missing(n))
+}
+
 /// Dequantized values (logical order) of one orientation. The columnwise data of an RHT
 /// tensor is transformed back.
 pub(crate) fn dequantize(
@@ -574,29 +585,11 @@ pub(crate) fn dequantize(
 ) -> Result<Vec<f32>> {
     let (m, k) = qt.shape.flat_2d();
     let (rs, cs) = scale_shapes(m, k);
-    let (dn, sn, an, rows, cols, padded) = if columnwise {
-        (
-            BufferName::ColumnwiseData,
-            BufferName::ColumnwiseScaleInv,
-            BufferName::ColumnwiseAmax,
-            k,
-            m,
-            cs,
-        )
-    } else {
-        (
-            BufferName::Data,
-            BufferName::ScaleInv,
-            BufferName::Amax,
-            m,
-            k,
-            rs,
-        )
-    };
-    let get = |n| qt.buffers.get(&n).ok_or_else(|| crate::fp8::missing(n));
-    let codes = get(dn)?.as_bytes()?;
-    let a = get(an)?.as_slice::<f32>()?[0];
-    let s = compact_scales(get(sn)?.as_bytes()?, rows, cols / BLOCK, padded, swizzled)?;
+    let (rows, cols, padded) = if columnwise { (k, m, cs) } else { (m, k, rs) };
+    let (codes, s) = qt.data_and_scales(columnwise)?;
+    let codes = codes.as_bytes()?;
+    let a = amax_buffer(qt, columnwise)?.as_slice::<f32>()?[0];
+    let s = compact_scales(s.as_bytes()?, rows, cols / BLOCK, padded, swizzled)?;
     let nb = cols / BLOCK;
     let v: Vec<f32> = (0..rows * cols)
         .into_par_iter()

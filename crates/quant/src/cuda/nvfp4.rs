@@ -373,17 +373,8 @@ pub(crate) fn dequantize(
     let dtype = y.dtype();
     const OP: &str = "cuda nvfp4 dequantize";
     let (m, k) = qt.shape().flat_2d();
-    let (dn, sn, an) = if columnwise {
-        (
-            BufferName::ColumnwiseData,
-            BufferName::ColumnwiseScaleInv,
-            BufferName::ColumnwiseAmax,
-        )
-    } else {
-        (BufferName::Data, BufferName::ScaleInv, BufferName::Amax)
-    };
-    let get = |n| qt.buffer(n).ok_or_else(|| crate::fp8::missing(n));
-    let (q, s, a) = (get(dn)?, get(sn)?, get(an)?);
+    let (q, s) = qt.data_and_scales(columnwise)?;
+    let a = crate::nvfp4::amax_buffer(qt, columnwise)?;
     let dev = device_of(q)?;
     let f = dev.function(
         &NVFP4_PTX,
