@@ -82,10 +82,8 @@ __global__ void __launch_bounds__(256, PV_MINB)
     block_pipe(const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps, float value_for_inf,
                uint8_t* q_row, float* s_row, u64 s_row_cols, uint8_t* q_col, float* s_col, u64 s_col_cols) {
     const auto sh = block_shared<T>();
-    pipeline<T>(x, m, k, [&](const Tile128<T>& x4, u64 m0, u64 k0) {
-        block_tile<T, E4M3, two_d, false>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
-                                          s_row_cols, q_col, s_col, s_col_cols, sh);
-    });
+    const BlockArgs p{m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row, s_row_cols, q_col, s_col, s_col_cols};
+    pipeline<T>(x, m, k, [&](const Tile128<T>& x4, u64 m0, u64 k0) { block_tile<T, E4M3, two_d, false>(x4, m0, k0, p, sh); });
 }
 
 template <class T, bool E4M3>

@@ -72,41 +72,35 @@ __global__ void __launch_bounds__(256, TQ_MINB_BLOCK_2D) tl_copy(const uint4* __
     });
 }
 
-// The library's FP8 block kernels (bf16, E4M3, power-of-two scales), stamped.
-struct BlockArgs {
+// The library's FP8 block kernels (bf16, E4M3, power-of-two scales), stamped; the
+// recipe fields of their BlockArgs are filled in here.
+struct TlBlock {
     const __nv_bfloat16* x;
-    u64 m, k;
-    uint8_t* q_row;
-    float* s_row;
-    u64 s_row_cols;
-    uint8_t* q_col;
-    float* s_col;
-    u64 s_col_cols;
+    BlockArgs p;
 };
-__global__ void __launch_bounds__(256, TQ_MINB_BLOCK_ROW) tl_block_row(BlockArgs a, Stamp* st) {
-    stamped(st, [&] {
-        block_row_impl<__nv_bfloat16, true>(a.x, a.m, a.k, 448.0f, 1, 0.0f, 3.4e38f, a.q_row, a.s_row, a.s_row_cols);
-    });
+static TlBlock tl_block(const __nv_bfloat16* x, u64 m, u64 k, uint8_t* q_row, float* s_row, u64 s_row_cols,
+                        uint8_t* q_col, float* s_col, u64 s_col_cols) {
+    return {x, BlockArgs{m, k, 448.0f, 1, 0.0f, 3.4e38f, q_row, s_row, s_row_cols, q_col, s_col, s_col_cols}};
 }
-__global__ void __launch_bounds__(256, TQ_MINB_BLOCK_1D) tl_block_1d(BlockArgs a, Stamp* st) {
-    stamped(st, [&] {
-        block_impl<__nv_bfloat16, true, false>(a.x, a.m, a.k, 448.0f, 1, 0.0f, 3.4e38f, a.q_row, a.s_row, a.s_row_cols,
-                                               a.q_col, a.s_col, a.s_col_cols);
-    });
+__global__ void __launch_bounds__(256, TQ_MINB_BLOCK_ROW) tl_block_row(TlBlock a, Stamp* st) {
+    stamped(st, [&] { block_row_impl<__nv_bfloat16, true>(a.x, a.p); });
 }
-__global__ void __launch_bounds__(256, TQ_MINB_BLOCK_2D) tl_block_2d(BlockArgs a, Stamp* st) {
-    stamped(st, [&] {
-        block_impl<__nv_bfloat16, true, true>(a.x, a.m, a.k, 448.0f, 1, 0.0f, 3.4e38f, a.q_row, a.s_row, a.s_row_cols,
-                                              a.q_col, a.s_col, a.s_col_cols);
-    });
+__global__ void __launch_bounds__(256, TQ_MINB_BLOCK_1D) tl_block_1d(TlBlock a, Stamp* st) {
+    stamped(st, [&] { block_impl<__nv_bfloat16, true, false>(a.x, a.p); });
+}
+__global__ void __launch_bounds__(256, TQ_MINB_BLOCK_2D) tl_block_2d(TlBlock a, Stamp* st) {
+    stamped(st, [&] { block_impl<__nv_bfloat16, true, true>(a.x, a.p); });
 }
 
 // The 128x128 rowwise-only tile kernel with the columnwise operand absent at compile
 // time (no transposed tile in shared memory), for MINB CTAs per SM.
-template <int MINB> __global__ void __launch_bounds__(256, MINB) tl_block_2d_row(BlockArgs a, Stamp* st) {
+template <int MINB> __global__ void __launch_bounds__(256, MINB) tl_block_2d_row(TlBlock a, Stamp* st) {
     stamped(st, [&] {
-        block_impl<__nv_bfloat16, true, true>(a.x, a.m, a.k, 448.0f, 1, 0.0f, 3.4e38f, a.q_row, a.s_row, a.s_row_cols,
-                                              nullptr, nullptr, 0);
+        BlockArgs p = a.p;
+        p.q_col = nullptr;
+        p.s_col = nullptr;
+        p.s_col_cols = 0;
+        block_impl<__nv_bfloat16, true, true>(a.x, p);
     });
 }
 
@@ -235,10 +229,10 @@ int main() {
     }
     const unsigned t128 = (unsigned)((M / 128) * (K / 128)), t32 = (unsigned)((M / 32) * (K / 128));
     const double tile_in = 128.0 * 128 * 2, tile_out = 128.0 * 128;
-    BlockArgs row{b.x, M, K, b.q, b.sr, M, nullptr, nullptr, 0};
+    const TlBlock row = tl_block(b.x, M, K, b.q, b.sr, M, nullptr, nullptr, 0);
     run("fp8 block 1x128 rowwise", tl_block_row, t32, (tile_in + tile_out) / 4 + 32 * 4, c,
         [&](Stamp* st) { tl_block_row<<<t32, 256>>>(row, st); });
-    BlockArgs r2{b.x, M, K, b.q, b.sr, K / 128, nullptr, nullptr, M / 128};
+    const TlBlock r2 = tl_block(b.x, M, K, b.q, b.sr, K / 128, nullptr, nullptr, M / 128);
     run("fp8 block 128x128 rowwise", tl_block_2d, t128, tile_in + tile_out + 4, c,
         [&](Stamp* st) { tl_block_2d<<<t128, 256>>>(r2, st); });
     run("fp8 block 128x128 rowwise, no columnwise code, 3", tl_block_2d_row<3>, t128, tile_in + tile_out + 4, c,
@@ -247,10 +241,10 @@ int main() {
         [&](Stamp* st) { tl_block_2d_row<4><<<t128, 256>>>(r2, st); });
     run("fp8 block 128x128 rowwise, no columnwise code, 5", tl_block_2d_row<5>, t128, tile_in + tile_out + 4, c,
         [&](Stamp* st) { tl_block_2d_row<5><<<t128, 256>>>(r2, st); });
-    BlockArgs b2{b.x, M, K, b.q, b.sr, K / 128, b.qt, b.sc, M / 128};
+    const TlBlock b2 = tl_block(b.x, M, K, b.q, b.sr, K / 128, b.qt, b.sc, M / 128);
     run("fp8 block 128x128 both", tl_block_2d, t128, tile_in + 2 * tile_out + 8, c,
         [&](Stamp* st) { tl_block_2d<<<t128, 256>>>(b2, st); });
-    BlockArgs b1{b.x, M, K, b.q, b.sr, M, b.qt, b.sc, K};
+    const TlBlock b1 = tl_block(b.x, M, K, b.q, b.sr, M, b.qt, b.sc, K);
     run("fp8 block 1x128 both", tl_block_1d, t128, tile_in + 2 * tile_out + 1024, c,
         [&](Stamp* st) { tl_block_1d<<<t128, 256>>>(b1, st); });
     return 0;

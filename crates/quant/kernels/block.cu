@@ -4,14 +4,32 @@
 // Checked byte for byte against crates/quant/src/block.rs.
 #include "common.cuh"
 
+// What every block kernel is given besides its input: the shape, the scale recipe
+// (scale_from_amax's parameters) and the outputs, null where an orientation is not asked
+// for (s_row_cols / s_col_cols: the columns of each scale grid).
+struct BlockArgs {
+    u64 m, k;
+    float fp8_max;
+    int pow2;
+    float eps, value_for_inf;
+    uint8_t* q_row;
+    float* s_row;
+    u64 s_row_cols;
+    uint8_t* q_col;
+    float* s_col;
+    u64 s_col_cols;
+    __device__ __forceinline__ float scale(float amax) const {
+        return scale_from_amax(amax, fp8_max, pow2 != 0, eps, value_for_inf);
+    }
+};
+
 // Rowwise-only 1x128 blocks: a CTA of 256 threads covers 32 rows x 128 columns (ceil(m/32)
 // x ceil(k/128) tiles, tile_row); thread t owns row t/8 and 16 columns of it, laid out as in
 // Tile128 (8 lanes load one contiguous 128-byte stretch per instruction); the block amax
 // reduces over the 8 lanes of the row. Few registers, no shared memory, no barrier.
 template <class T, bool E4M3>
-__device__ void block_row_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2,
-                               float eps, float value_for_inf, uint8_t* __restrict__ q_row,
-                               float* __restrict__ s_row, u64 s_row_cols) {
+__device__ void block_row_impl(const T* __restrict__ x, const BlockArgs& p) {
+    const u64 m = p.m, k = p.k;
     using Tl = Tile128<T>;
     constexpr int V = Tl::V;
     const int t = threadIdx.x, cg = t & 7;
@@ -24,12 +42,12 @@ __device__ void block_row_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_
     a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
     a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 4));
     if (r >= m) return;
-    const float s = scale_from_amax(a, fp8_max, pow2, eps, value_for_inf);
+    const float s = p.scale(a);
     uint32_t w[4];
     row.template fp8<E4M3>(s, w);
 #pragma unroll
-    for (int l = 0; l < Tl::L; ++l) store_run<V>(q_row, m, k, r, k0 + Tl::col(cg, l * V), &w[l * V / 4]);
-    if (cg == 0) s_row[by * s_row_cols + r] = __frcp_rn(s);
+    for (int l = 0; l < Tl::L; ++l) store_run<V>(p.q_row, m, k, r, k0 + Tl::col(cg, l * V), &w[l * V / 4]);
+    if (cg == 0) p.s_row[by * p.s_row_cols + r] = __frcp_rn(s);
 }
 
 // One 128x128 tile at (m0, k0), held in registers as Tile128 lays it out (4 rows x 16
@@ -55,11 +73,9 @@ template <class T> __device__ __forceinline__ BlockShared<Tile128<T>::V> block_s
     return {tr, colpart, colscale, warpmax};
 }
 template <class T, bool E4M3, bool two_d, bool Full>
-__device__ void block_tile(const Tile128<T>& x4, u64 m0, u64 k0, u64 m, u64 k, float fp8_max,
-                           int pow2, float eps, float value_for_inf, uint8_t* __restrict__ q_row,
-                           float* __restrict__ s_row, u64 s_row_cols, uint8_t* __restrict__ q_col,
-                           float* __restrict__ s_col, u64 s_col_cols,
+__device__ void block_tile(const Tile128<T>& x4, u64 m0, u64 k0, const BlockArgs& p,
                            const BlockShared<Tile128<T>::V>& sh) {
+    const u64 m = p.m, k = p.k;
     using Tl = Tile128<T>;
     constexpr int V = Tl::V;
     auto& tr = sh.tr;
@@ -80,20 +96,20 @@ __device__ void block_tile(const Tile128<T>& x4, u64 m0, u64 k0, u64 m, u64 k, f
         a = warpmax[0];
 #pragma unroll
         for (int w = 1; w < 8; ++w) a = fmaxf(a, warpmax[w]);
-        const float s = scale_from_amax(a, fp8_max, pow2, eps, value_for_inf);
+        const float s = p.scale(a);
 #pragma unroll
         for (int i = 0; i < 4; ++i) rs[i] = s;
         if (t == 0) {
             const float si = __frcp_rn(s);
-            if (s_row != nullptr) s_row[mb * s_row_cols + kb] = si;
-            if (s_col != nullptr) s_col[kb * s_col_cols + mb] = si;
+            if (p.s_row != nullptr) p.s_row[mb * p.s_row_cols + kb] = si;
+            if (p.s_col != nullptr) p.s_col[kb * p.s_col_cols + mb] = si;
         }
     } else {
         // Lane cg of a row group computes the scale of row 4*rg + cg % 4 (one division
         // instead of four) and the group shares them.
         const int h = cg & 3;
         const float a = h == 0 ? ra[0] : h == 1 ? ra[1] : h == 2 ? ra[2] : ra[3];
-        const float s = scale_from_amax(a, fp8_max, pow2, eps, value_for_inf);
+        const float s = p.scale(a);
 #pragma unroll
         for (int i = 0; i < 4; ++i) rs[i] = __shfl_sync(0xFFFFFFFFu, s, (lane & ~7) | i);
     }
@@ -113,23 +129,23 @@ __device__ void block_tile(const Tile128<T>& x4, u64 m0, u64 k0, u64 m, u64 k, f
 #pragma unroll
         for (int i = 0; i < 4; ++i) row_words(i);
     }
-    if (q_row != nullptr) {
+    if (p.q_row != nullptr) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             if (!two_d) row_words(i);
             const u64 r = m0 + 4 * rg + i;
 #pragma unroll
             for (int l = 0; l < Tl::L; ++l)
-                store_run<V, Full>(q_row, m, k, r, k0 + Tl::col(cg, l * V), &wr[i][l * V / 4]);
+                store_run<V, Full>(p.q_row, m, k, r, k0 + Tl::col(cg, l * V), &wr[i][l * V / 4]);
         }
         if (!two_d) {
             // Lane cg < 4 of a row group writes the scale of row 4*rg + cg.
             const float a = cg == 0 ? rs[0] : cg == 1 ? rs[1] : cg == 2 ? rs[2] : rs[3];
             const u64 r = m0 + 4 * rg + cg;
-            if (cg < 4 && (Full || r < m)) s_row[kb * s_row_cols + r] = __frcp_rn(a);
+            if (cg < 4 && (Full || r < m)) p.s_row[kb * p.s_row_cols + r] = __frcp_rn(a);
         }
     }
-    if (q_col == nullptr) return;
+    if (p.q_col == nullptr) return;
     if (two_d) {
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
@@ -156,9 +172,9 @@ __device__ void block_tile(const Tile128<T>& x4, u64 m0, u64 k0, u64 m, u64 k, f
             float a = colpart[0][t];
 #pragma unroll
             for (int w = 1; w < 8; ++w) a = fmaxf(a, colpart[w][t]);
-            const float s = scale_from_amax(a, fp8_max, pow2, eps, value_for_inf);
+            const float s = p.scale(a);
             colscale[t] = s;
-            if (Full || k0 + t < k) s_col[mb * s_col_cols + k0 + t] = __frcp_rn(s);
+            if (Full || k0 + t < k) p.s_col[mb * p.s_col_cols + k0 + t] = __frcp_rn(s);
         }
         __syncthreads();
 #pragma unroll
@@ -171,35 +187,26 @@ __device__ void block_tile(const Tile128<T>& x4, u64 m0, u64 k0, u64 m, u64 k, f
         }
     }
     __syncthreads();
-    tr.template store<Full>(q_col, m, k, m0, k0);
+    tr.template store<Full>(p.q_col, m, k, m0, k0);
 }
 
 // Loads the tile at (m0, k0) and quantizes it (block_tile), checked or (Full) not.
 template <class T, bool E4M3, bool two_d, bool Full>
-__device__ __forceinline__ void block_at(const T* __restrict__ x, u64 m0, u64 k0, u64 m, u64 k,
-                                         float fp8_max, int pow2, float eps, float value_for_inf,
-                                         uint8_t* __restrict__ q_row, float* __restrict__ s_row,
-                                         u64 s_row_cols, uint8_t* __restrict__ q_col,
-                                         float* __restrict__ s_col, u64 s_col_cols,
+__device__ __forceinline__ void block_at(const T* __restrict__ x, u64 m0, u64 k0, const BlockArgs& p,
                                          const BlockShared<Tile128<T>::V>& sh) {
     Tile128<T> x4;
-    x4.template load<Full>(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
-    block_tile<T, E4M3, two_d, Full>(x4, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
-                                     s_row_cols, q_col, s_col, s_col_cols, sh);
+    x4.template load<Full>(x, p.m, p.k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
+    block_tile<T, E4M3, two_d, Full>(x4, m0, k0, p, sh);
 }
 
 // The checked path of the 2-D kernels, for tiles at a ragged edge or of unaligned rows: a
 // call, so that its registers (and spills, under the kernels' register caps) do not
-// weigh on the full tiles' path.
+// weigh on the full tiles' path. (p by value: a reference would put the caller's
+// arguments in local memory.)
 template <class T, bool E4M3, bool two_d>
-__device__ __noinline__ void block_edge(const T* __restrict__ x, u64 m0, u64 k0, u64 m, u64 k,
-                                        float fp8_max, int pow2, float eps, float value_for_inf,
-                                        uint8_t* __restrict__ q_row, float* __restrict__ s_row,
-                                        u64 s_row_cols, uint8_t* __restrict__ q_col,
-                                        float* __restrict__ s_col, u64 s_col_cols,
+__device__ __noinline__ void block_edge(const T* __restrict__ x, u64 m0, u64 k0, const BlockArgs p,
                                         const BlockShared<Tile128<T>::V>& sh) {
-    block_at<T, E4M3, two_d, false>(x, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
-                                    s_row_cols, q_col, s_col, s_col_cols, sh);
+    block_at<T, E4M3, two_d, false>(x, m0, k0, p, sh);
 }
 
 // One CTA per 128x128 tile (ceil(m/128) x ceil(k/128) tiles, tile_row; 256 threads), loaded
@@ -207,21 +214,15 @@ __device__ __noinline__ void block_edge(const T* __restrict__ x, u64 m0, u64 k0,
 // path. 1-D blocks with a columnwise operand keep their checked path inline: with a call
 // for the edges the kernel itself spilled.
 template <class T, bool E4M3, bool two_d>
-__device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max, int pow2,
-                           float eps, float value_for_inf, uint8_t* __restrict__ q_row,
-                           float* __restrict__ s_row, u64 s_row_cols, uint8_t* __restrict__ q_col,
-                           float* __restrict__ s_col, u64 s_col_cols) {
+__device__ void block_impl(const T* __restrict__ x, const BlockArgs& p) {
     const auto sh = block_shared<T>();
-    const u64 gy = (k + 127) / 128, m0 = tile_row(gy) * 128, k0 = tile_col(gy) * 128;
-    if (full_tile<T>(m, k, m0, k0))
-        block_at<T, E4M3, two_d, true>(x, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
-                                       s_row_cols, q_col, s_col, s_col_cols, sh);
+    const u64 gy = (p.k + 127) / 128, m0 = tile_row(gy) * 128, k0 = tile_col(gy) * 128;
+    if (full_tile<T>(p.m, p.k, m0, k0))
+        block_at<T, E4M3, two_d, true>(x, m0, k0, p, sh);
     else if constexpr (two_d)
-        block_edge<T, E4M3, two_d>(x, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
-                                   s_row_cols, q_col, s_col, s_col_cols, sh);
+        block_edge<T, E4M3, two_d>(x, m0, k0, p, sh);
     else
-        block_at<T, E4M3, two_d, false>(x, m0, k0, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,
-                                        s_row_cols, q_col, s_col, s_col_cols, sh);
+        block_at<T, E4M3, two_d, false>(x, m0, k0, p, sh);
 }
 
 // Four entry points with their own register budgets: rowwise-only 1x128 blocks
@@ -233,26 +234,25 @@ __device__ void block_impl(const T* __restrict__ x, u64 m, u64 k, float fp8_max,
     const T *__restrict__ x, u64 m, u64 k, float fp8_max, int pow2, float eps,                 \
         float value_for_inf, int two_d, uint8_t *q_row, float *s_row, u64 s_row_cols,          \
         uint8_t *q_col, float *s_col, u64 s_col_cols
+#define BLOCK_ARGS {m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row, s_row_cols, q_col, s_col, s_col_cols}
 #define BLOCK_KERNEL(SUFFIX, T, FMT, E4M3)                                                     \
     extern "C" __global__ void __launch_bounds__(256, TQ_MINB_BLOCK_ROW)                      \
         tessera_fp8_block_row_##SUFFIX##_##FMT(BLOCK_PARAMS(T)) {                              \
-        block_row_impl<T, E4M3>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,     \
-                                s_row_cols);                                                   \
+        block_row_impl<T, E4M3>(x, BlockArgs BLOCK_ARGS);                                      \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_1D)  \
         tessera_fp8_block_1d_##SUFFIX##_##FMT(BLOCK_PARAMS(T)) {                               \
-        block_impl<T, E4M3, false>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,  \
-                                   s_row_cols, q_col, s_col, s_col_cols);                      \
+        block_impl<T, E4M3, false>(x, BlockArgs BLOCK_ARGS);                                   \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_2D)  \
         tessera_fp8_block_2d_##SUFFIX##_##FMT(BLOCK_PARAMS(T)) {                               \
-        block_impl<T, E4M3, true>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,   \
-                                  s_row_cols, q_col, s_col, s_col_cols);                       \
+        block_impl<T, E4M3, true>(x, BlockArgs BLOCK_ARGS);                                    \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_2D)  \
         tessera_fp8_block_2d_row_##SUFFIX##_##FMT(BLOCK_PARAMS(T)) {                           \
-        block_impl<T, E4M3, true>(x, m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row,   \
-                                  s_row_cols, nullptr, nullptr, 0);                            \
+        block_impl<T, E4M3, true>(                                                             \
+            x, BlockArgs{m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row, s_row_cols,    \
+                         nullptr, nullptr, 0});                                                \
     }
 BLOCK_KERNEL(f32, float, e4m3, true)
 BLOCK_KERNEL(f32, float, e5m2, false)

@@ -199,51 +199,58 @@ __device__ void cast_transpose_tile(const Tile128<T>& x4, u64 m0, u64 k0, uint8_
     }
 }
 
+// What the cast-transpose is given besides its input: the rowwise (q, [m, k]) and
+// transposed (qt, [k, m]) outputs, the scale, where 1 / scale goes, and the amax (null:
+// none collected).
+struct CastTransposeArgs {
+    uint8_t* q;
+    uint8_t* qt;
+    u64 m, k;
+    Fp8Scale sa;
+    float* scale_inv;
+    float* amax;
+};
+
 // The cast-transpose of one 128x128 tile, loaded straight into registers: after the load
 // it waits for the kernel before (pdl_wait) and takes its scale. Thread 0 of CTA 0 writes
 // scale_inv[0] = 1 / scale.
 template <class T, bool E4M3, bool Full>
-__device__ __forceinline__ void cast_transpose_at(const T* __restrict__ x, uint8_t* __restrict__ q,
-                                                  uint8_t* __restrict__ qt, u64 m, u64 k, u64 m0, u64 k0,
-                                                  const Fp8Scale sa, float* __restrict__ scale_inv,
-                                                  float* __restrict__ amax, Transposed128<Tile128<T>::V>& tr,
+__device__ __forceinline__ void cast_transpose_at(const T* __restrict__ x, const CastTransposeArgs& p, u64 m0,
+                                                  u64 k0, Transposed128<Tile128<T>::V>& tr,
                                                   float (&warp_amax)[8]) {
     Tile128<T> x4;
-    x4.template load<Full>(x, m, k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
+    x4.template load<Full>(x, p.m, p.k, m0, k0, threadIdx.x >> 3, threadIdx.x & 7);
     pdl_wait();  // the tile is loaded; the scale or amax comes from the kernel before
-    const float scale = cast_scale(sa);
-    if (blockIdx.x == 0 && threadIdx.x == 0) scale_inv[0] = __frcp_rn(scale);
-    cast_transpose_tile<T, E4M3, Full>(x4, m0, k0, q, qt, m, k, scale, amax, tr, warp_amax);
+    const float scale = cast_scale(p.sa);
+    if (blockIdx.x == 0 && threadIdx.x == 0) p.scale_inv[0] = __frcp_rn(scale);
+    cast_transpose_tile<T, E4M3, Full>(x4, m0, k0, p.q, p.qt, p.m, p.k, scale, p.amax, tr, warp_amax);
 }
 
 // The checked path, for tiles at a ragged edge or of unaligned rows: a call, so that its
-// registers do not weigh on the full tiles' path (block.cu's block_edge). `sa` goes by
-// value: passed by reference, its address put it in local memory for both paths, and the
-// cast-transpose lost 0.03-0.07 of a copy on an H100.
+// registers do not weigh on the full tiles' path (block.cu's block_edge). `p` goes by
+// value: passed by reference, its address would put it in local memory for both paths
+// (with the scale alone so passed, the cast-transpose lost 0.03-0.07 of a copy on an
+// H100).
 template <class T, bool E4M3>
-__device__ __noinline__ void cast_transpose_edge(const T* __restrict__ x, uint8_t* __restrict__ q,
-                                                 uint8_t* __restrict__ qt, u64 m, u64 k, u64 m0, u64 k0,
-                                                 const Fp8Scale sa, float* __restrict__ scale_inv,
-                                                 float* __restrict__ amax, Transposed128<Tile128<T>::V>& tr,
+__device__ __noinline__ void cast_transpose_edge(const T* __restrict__ x, const CastTransposeArgs p, u64 m0,
+                                                 u64 k0, Transposed128<Tile128<T>::V>& tr,
                                                  float (&warp_amax)[8]) {
-    cast_transpose_at<T, E4M3, false>(x, q, qt, m, k, m0, k0, sa, scale_inv, amax, tr, warp_amax);
+    cast_transpose_at<T, E4M3, false>(x, p, m0, k0, tr, warp_amax);
 }
 
 // One 128x128 tile per CTA (ceil(m/128) x ceil(k/128) tiles, tile_row; 256 threads), loaded
 // straight into registers; a full tile (full_tile) takes the unchecked path.
 // scale_inv[0] = 1 / scale; amax (if not null) collects the NaN-ignoring max |x|.
 template <class T, bool E4M3>
-__device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict__ q,
-                                    uint8_t* __restrict__ qt, u64 m, u64 k, const Fp8Scale sa,
-                                    float* __restrict__ scale_inv, float* __restrict__ amax) {
+__device__ void cast_transpose_impl(const T* __restrict__ x, const CastTransposeArgs& p) {
     __shared__ Transposed128<Tile128<T>::V> tr;
     __shared__ float warp_amax[8];
-    const bool last_first = sa.amax != nullptr;  // after an amax pass (cta_order)
-    const u64 gy = (k + 127) / 128, m0 = tile_row(gy, last_first) * 128, k0 = tile_col(gy, last_first) * 128;
-    if (full_tile<T>(m, k, m0, k0))
-        cast_transpose_at<T, E4M3, true>(x, q, qt, m, k, m0, k0, sa, scale_inv, amax, tr, warp_amax);
+    const bool last_first = p.sa.amax != nullptr;  // after an amax pass (cta_order)
+    const u64 gy = (p.k + 127) / 128, m0 = tile_row(gy, last_first) * 128, k0 = tile_col(gy, last_first) * 128;
+    if (full_tile<T>(p.m, p.k, m0, k0))
+        cast_transpose_at<T, E4M3, true>(x, p, m0, k0, tr, warp_amax);
     else
-        cast_transpose_edge<T, E4M3>(x, q, qt, m, k, m0, k0, sa, scale_inv, amax, tr, warp_amax);
+        cast_transpose_edge<T, E4M3>(x, p, m0, k0, tr, warp_amax);
 }
 
 #define CAST(SUFFIX, T, FMT, E4M3)                                                             \
@@ -257,7 +264,7 @@ __device__ void cast_transpose_impl(const T* __restrict__ x, uint8_t* __restrict
                                                     uint8_t* qt, u64 m, u64 k,                 \
                                                     const Fp8Scale scale, float* scale_inv,   \
                                                     float* amax) {                             \
-        cast_transpose_impl<T, E4M3>(x, q, qt, m, k, scale, scale_inv, amax);                  \
+        cast_transpose_impl<T, E4M3>(x, CastTransposeArgs{q, qt, m, k, scale, scale_inv, amax}); \
     }
 CAST(f32, float, e4m3, true)
 CAST(f32, float, e5m2, false)
