@@ -52,27 +52,42 @@ __global__ void __launch_bounds__(256, MINB) both_persist(const __nv_bfloat16* _
     const Banded order{hb, gy << hb};
     const uint32_t tiles = ((gx + (1u << hb) - 1u) >> hb) * order.per_band;
     __shared__ BothShared sh;
-    BothTile<T> d0, d1;
     uint32_t t = blockIdx.x;
     if (t >= tiles) return;
-    load_both(d0, x, a, l, order.at(t));
-    pdl_wait();
-    both_tables(sh, a);  // both_tile's first barrier orders it before any read
-    // One tile: the next one's loads first, then this one (a CTA-uniform branch, so
-    // both_tile's barriers are reached by every thread or by none).
-    auto step = [&](const BothTile<T>& cur, BothTile<T>& next) {
-        const uint32_t tn = t + gridDim.x;
-        if (tn < tiles) load_both(next, x, a, l, order.at(tn));
+    // One tile (a CTA-uniform branch, so both_tile's barriers are reached by every
+    // thread or by none).
+    auto quantize = [&](const BothTile<T>& cur) {
         const TileRC tile = order.at(t);
         const u64 R0 = (u64)tile.row * 128, C0 = (u64)tile.col * 128;
         if (R0 < a.m) {
             const bool valid = R0 + l.rt < a.m && C0 + l.ct < a.k;
             both_tile<T>(cur, l, R0, C0, valid, a, sh);
         }
-        t = tn;
-        return t < tiles;
     };
-    while (step(d0, d1) && step(d1, d0)) {
+    if constexpr (MINB >= 4) {
+        // Without the second tile: the tables once per CTA, the loads after each tile.
+        pdl_wait();
+        both_tables(sh, a);
+        for (; t < tiles; t += gridDim.x) {
+            BothTile<T> d;
+            load_both(d, x, a, l, order.at(t));
+            quantize(d);
+        }
+    } else {
+        BothTile<T> d0, d1;
+        load_both(d0, x, a, l, order.at(t));
+        pdl_wait();
+        both_tables(sh, a);  // both_tile's first barrier orders it before any read
+        // The next tile's loads first, then this one.
+        auto step = [&](const BothTile<T>& cur, BothTile<T>& next) {
+            const uint32_t tn = t + gridDim.x;
+            if (tn < tiles) load_both(next, x, a, l, order.at(tn));
+            quantize(cur);
+            t = tn;
+            return t < tiles;
+        };
+        while (step(d0, d1) && step(d1, d0)) {
+        }
     }
 }
 
@@ -110,6 +125,7 @@ static void run_shape(u64 M, u64 K) {
         for (int pass = 0; pass < 2; ++pass) {
             shipped();
             persist(both_persist<2>, "persistent, 2 tiles in registers", 0);
+            persist(both_persist<4>, "persistent, 1 tile in registers", 0);
         }
     }
 }
