@@ -53,6 +53,12 @@ static cudaDeviceProp device_props() {
     return p;
 }
 
+// Prints the header line of a harness's output: the card and its SM count.
+static void print_device() {
+    const cudaDeviceProp p = device_props();
+    std::printf("%s, %d SMs\n", p.name, p.multiProcessorCount);
+}
+
 static uint64_t fnv(const void* d, size_t n) {
     std::vector<uint8_t> h(n);
     CK(cudaMemcpy(h.data(), d, n, cudaMemcpyDeviceToHost));

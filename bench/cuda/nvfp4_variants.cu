@@ -454,8 +454,7 @@ static void run_shape(u64 M, u64 K, int normal) {
 }
 
 int main() {
-    const cudaDeviceProp p = device_props();
-    std::printf("%s, %d SMs\n", p.name, p.multiProcessorCount);
+    print_device();
     run_shape(16384, 8192, 1);
     run_shape(16384, 8192, 0);
     run_shape(4096, 4096, 1);
