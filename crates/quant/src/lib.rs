@@ -134,6 +134,26 @@ pub(crate) fn check_rank(op: &'static str, shape: &Shape) -> Result<()> {
     Ok(())
 }
 
+/// `Ok` when both flattened dimensions of `shape` (rank 1 or more) are multiples of
+/// `block`: the shape check of the formats whose blocks may not straddle an edge.
+pub(crate) fn check_block_multiple(
+    op: &'static str,
+    format: &str,
+    block: usize,
+    shape: &Shape,
+) -> Result<()> {
+    let (m, k) = shape.flat_2d();
+    if shape.rank() == 0 || m % block != 0 || k % block != 0 {
+        return Err(Error::shape(
+            op,
+            format!(
+                "{format} needs both flattened dimensions to be multiples of {block}; shape {shape} is [{m}, {k}] as a matrix"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks that `out` can receive the quantization of `x` in format `kind`.
 pub(crate) fn check_into(
     op: &'static str,
@@ -173,18 +193,7 @@ pub fn buffer_specs(kind: &Kind, shape: &Shape) -> Result<Vec<BufferSpec>> {
             "quantized tensors have rank 1 or more",
         ));
     }
-    let (m, k) = shape.flat_2d();
-    let need = |b: usize, what: &str| -> Result<()> {
-        if m % b != 0 || k % b != 0 {
-            return Err(Error::shape(
-                "buffer_specs",
-                format!(
-                    "{what} needs both flattened dimensions to be multiples of {b}; {shape} is [{m}, {k}]"
-                ),
-            ));
-        }
-        Ok(())
-    };
+    let need = |b: usize, what: &str| check_block_multiple("buffer_specs", what, b, shape);
     Ok(match *kind {
         Kind::Fp8 { format } => fp8::buffer_specs(format, shape),
         Kind::Mxfp8 { format, .. } => {

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use rayon::prelude::*;
-use tessera_core::{DType, Error, Result, Shape, Tensor};
+use tessera_core::{DType, Result, Shape, Tensor};
 
 use crate::cast::{decode_e8m0, e8m0_reciprocal, float_to_e8m0};
 use crate::layout::{pad, roundup, swizzle, transpose, unswizzle};
@@ -281,16 +281,7 @@ impl Quantizer for Mxfp8Quantizer {
         self.usage = usage;
     }
     fn check_shape(&self, shape: &Shape) -> Result<()> {
-        let (m, k) = shape.flat_2d();
-        if shape.rank() == 0 || m % BLOCK != 0 || k % BLOCK != 0 {
-            return Err(Error::shape(
-                "Mxfp8Quantizer",
-                format!(
-                    "MXFP8 needs both flattened dimensions to be multiples of 32; shape {shape} is [{m}, {k}] as a matrix"
-                ),
-            ));
-        }
-        Ok(())
+        crate::check_block_multiple("Mxfp8Quantizer", "MXFP8", BLOCK, shape)
     }
     fn is_quantizable(&self, shape: &Shape) -> bool {
         shape.rank() >= 2 && self.check_shape(shape).is_ok()
@@ -308,7 +299,9 @@ impl Quantizer for Mxfp8Quantizer {
                 out,
             );
             #[cfg(not(feature = "cuda"))]
-            return Err(Error::no_cuda_feature("quantizing a CUDA tensor"));
+            return Err(tessera_core::Error::no_cuda_feature(
+                "quantizing a CUDA tensor",
+            ));
         }
         let q = self.quantize(x)?;
         out.replace_buffers(q)

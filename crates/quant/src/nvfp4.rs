@@ -34,7 +34,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use rayon::prelude::*;
-use tessera_core::{DType, Error, Result, Shape, Tensor};
+use tessera_core::{DType, Result, Shape, Tensor};
 use tessera_rng::Generator;
 
 use crate::cast::{decode_e2m1, decode_e4m3, encode_e2m1, encode_e2m1_stochastic, encode_e4m3};
@@ -457,16 +457,7 @@ impl Quantizer for Nvfp4Quantizer {
         self.reduction = reduction;
     }
     fn check_shape(&self, shape: &Shape) -> Result<()> {
-        let (m, k) = shape.flat_2d();
-        if shape.rank() == 0 || m % BLOCK != 0 || k % BLOCK != 0 {
-            return Err(Error::shape(
-                "Nvfp4Quantizer",
-                format!(
-                    "NVFP4 needs both flattened dimensions to be multiples of 16; shape {shape} is [{m}, {k}] as a matrix"
-                ),
-            ));
-        }
-        Ok(())
+        crate::check_block_multiple("Nvfp4Quantizer", "NVFP4", BLOCK, shape)
     }
     fn is_quantizable(&self, shape: &Shape) -> bool {
         shape.rank() >= 2 && self.check_shape(shape).is_ok()
@@ -487,7 +478,9 @@ impl Quantizer for Nvfp4Quantizer {
                 out,
             );
             #[cfg(not(feature = "cuda"))]
-            return Err(Error::no_cuda_feature("quantizing a CUDA tensor"));
+            return Err(tessera_core::Error::no_cuda_feature(
+                "quantizing a CUDA tensor",
+            ));
         }
         let q = self.quantize(x)?;
         out.replace_buffers(q)
