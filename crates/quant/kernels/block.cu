@@ -147,14 +147,7 @@ __device__ void block_tile(const Tile128<T>& x4, u64 m0, u64 k0, const BlockArgs
     }
     if (p.q_col == nullptr) return;
     if (two_d) {
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-            const uint32_t in[4] = {wr[0][w], wr[1][w], wr[2][w], wr[3][w]};
-            uint32_t out[4];
-            transpose4x4(in, out);
-#pragma unroll
-            for (int b = 0; b < 4; ++b) tr.put(Tl::col(cg, 4 * w + b), rg, out[b]);
-        }
+        tr.put_rows(wr, cg, rg);
     } else {
         // Columnwise 1-D: each column's own scale over the tile's 128 rows. The warp's
         // column maxima go to shared memory 8 at a time.

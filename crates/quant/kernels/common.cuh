@@ -552,6 +552,9 @@ template <bool E4M3> __device__ __forceinline__ uint4 fp8x16(const float* v, flo
 // (V = elements per 16-byte vector): run l covers columns l*8V + (t%8)*V .. +V. The 8
 // threads of a row group load one contiguous 8V-element (128-byte) stretch per
 // instruction, so every 16-byte load and every store of a row is fully coalesced.
+// Tile column of element j (0..15) of column group cg, for runs of V elements.
+template <int V> __device__ __forceinline__ int tile128_col(int cg, int j) { return (j / V) * 8 * V + cg * V + j % V; }
+
 template <class T> struct Tile128 {
     static constexpr int V = 16 / (int)sizeof(T);  // elements per 16-byte vector
     static constexpr int L = 16 / V;               // vectors per row and thread
@@ -562,7 +565,7 @@ template <class T> struct Tile128 {
     } d;
 
     // Tile column of element j (0..15) of column group cg.
-    __device__ static int col(int cg, int j) { return (j / V) * 8 * V + cg * V + j % V; }
+    __device__ static int col(int cg, int j) { return tile128_col<V>(cg, j); }
 
     __device__ float at(int i, int j) const {
         if constexpr (sizeof(T) == 2) return j % 2 ? hi_f32<T>(d.w[i][j / 2]) : lo_f32<T>(d.w[i][j / 2]);
@@ -733,6 +736,18 @@ template <int V> struct __align__(16) Transposed128 {
     uint32_t w[128][32];
     __device__ static int swz(int c) { return ((c / V) & 7) << 2; }
     __device__ void put(int c, int g, uint32_t v) { w[c][g ^ swz(c)] = v; }
+    // Stages the FP8 bytes of one thread of a Tile128 (the same V) transposed: wr[i][w]
+    // holds row 4*rg + i at the columns Tile128::col(cg, 4w .. 4w+3).
+    __device__ __forceinline__ void put_rows(const uint32_t (&wr)[4][4], int cg, int rg) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const uint32_t in[4] = {wr[0][w], wr[1][w], wr[2][w], wr[3][w]};
+            uint32_t out[4];
+            transpose4x4(in, out);
+#pragma unroll
+            for (int b = 0; b < 4; ++b) put(tile128_col<V>(cg, 4 * w + b), rg, out[b]);
+        }
+    }
     // Writes the staged tile to qt [k, m] at (k0, m0): 16 bytes per thread and step.
     // Full: the tile lies inside the matrix and m is a multiple of 16 (no checks).
     template <bool Full = false>

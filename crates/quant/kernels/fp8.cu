@@ -181,14 +181,7 @@ __device__ void cast_transpose_tile(const Tile128<T>& x4, u64 m0, u64 k0, uint8_
                 store_run<V, Full>(q, m, k, m0 + 4 * rg + i, k0 + Tl::col(cg, l * V), &wr[i][l * V / 4]);
         }
     }
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-        const uint32_t in[4] = {wr[0][w], wr[1][w], wr[2][w], wr[3][w]};
-        uint32_t out[4];
-        transpose4x4(in, out);
-#pragma unroll
-        for (int b = 0; b < 4; ++b) tr.put(Tl::col(cg, 4 * w + b), rg, out[b]);
-    }
+    tr.put_rows(wr, cg, rg);
     __syncthreads();
     tr.template store<Full>(qt, m, k, m0, k0);
     if (amax != nullptr && t == 0) {
