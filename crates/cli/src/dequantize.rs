@@ -3,7 +3,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use anyhow::{Context, bail};
-use half::bf16;
 use tessera_core::{DType, Device, Shape, Tensor};
 use tessera_quant::QuantizedTensor;
 
@@ -54,10 +53,7 @@ pub fn run(a: &DequantizeArgs) -> anyhow::Result<()> {
 /// `t` in a dtype `.npy` has: bf16 is widened (exactly) to f32, f32 and f16 are kept.
 fn npy_compatible(t: &Tensor) -> anyhow::Result<Tensor> {
     Ok(match t.dtype() {
-        DType::BF16 => {
-            let v: Vec<f32> = t.as_slice::<bf16>()?.iter().map(|x| x.to_f32()).collect();
-            Tensor::from_slice(&v, t.shape(), Device::Cpu)?
-        }
+        DType::BF16 => Tensor::from_slice(&t.to_f32_vec()?, t.shape(), Device::Cpu)?,
         _ => t.clone(),
     })
 }

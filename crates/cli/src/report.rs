@@ -72,7 +72,7 @@ impl ErrorStats {
 /// The error of `qt` against the tensor `x` it was quantized from: of each orientation
 /// it has, the worse.
 pub fn measure(x: &Tensor, qt: &QuantizedTensor) -> anyhow::Result<ErrorStats> {
-    let xv = to_f32(x)?;
+    let xv = x.to_f32_vec()?;
     let usages: &[Usage] = match qt.usage() {
         Usage::Both => &[Usage::Rowwise, Usage::Columnwise],
         Usage::Rowwise => &[Usage::Rowwise],
@@ -85,24 +85,6 @@ pub fn measure(x: &Tensor, qt: &QuantizedTensor) -> anyhow::Result<ErrorStats> {
         worst = Some(worst.map_or(e, |w| w.worst(e)));
     }
     Ok(worst.expect("a quantized tensor has at least one orientation"))
-}
-
-/// The values of an f32/bf16/f16 host tensor, widened to f32.
-fn to_f32(x: &Tensor) -> anyhow::Result<Vec<f32>> {
-    Ok(match x.dtype() {
-        DType::F32 => x.as_slice::<f32>()?.to_vec(),
-        DType::BF16 => x
-            .as_slice::<half::bf16>()?
-            .iter()
-            .map(|v| v.to_f32())
-            .collect(),
-        DType::F16 => x
-            .as_slice::<half::f16>()?
-            .iter()
-            .map(|v| v.to_f32())
-            .collect(),
-        other => anyhow::bail!("cannot measure a {other} tensor"),
-    })
 }
 
 /// `+inf`, or the value with two decimals.

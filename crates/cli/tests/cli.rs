@@ -121,21 +121,7 @@ fn values(n: usize, salt: u32) -> Vec<f32> {
 
 /// A host tensor of `dtype` from f32 values (rounded to nearest for bf16 and f16).
 fn tensor(v: &[f32], shape: &[usize], dtype: DType) -> Tensor {
-    match dtype {
-        DType::F32 => Tensor::from_slice(v, shape, Device::Cpu),
-        DType::BF16 => Tensor::from_slice(
-            &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
-            shape,
-            Device::Cpu,
-        ),
-        DType::F16 => Tensor::from_slice(
-            &v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
-            shape,
-            Device::Cpu,
-        ),
-        _ => unreachable!(),
-    }
-    .unwrap()
+    Tensor::from_f32_values(v, shape, dtype, Device::Cpu).unwrap()
 }
 
 fn st_dtype(d: DType) -> Dtype {

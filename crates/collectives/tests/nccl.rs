@@ -15,7 +15,7 @@ use tessera_collectives::{
     Store, ThreadGroup, gather_along_first_dim, gather_split_1d_tensor, run_ranks,
     split_tensor_into_1d_equal_chunks,
 };
-use tessera_core::{DType, Device, Error, Result, Tensor, bf16};
+use tessera_core::{DType, Device, Error, Result, Tensor};
 use tessera_quant::{Fp8CurrentScaling, Fp8Format, Mxfp8Quantizer, Quantizer};
 use tessera_rng::Generator;
 
@@ -135,14 +135,7 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 
 /// `v` as a tensor of `dtype` (f32 or bf16) on `device`.
 fn tensor(v: &[f32], dims: [usize; 2], dtype: DType, device: Device) -> Tensor {
-    match dtype {
-        DType::F32 => Tensor::from_slice(v, dims, device).unwrap(),
-        DType::BF16 => {
-            let b: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
-            Tensor::from_slice(&b, dims, device).unwrap()
-        }
-        other => panic!("no test data for {other}"),
-    }
+    Tensor::from_f32_values(v, dims, dtype, device).unwrap()
 }
 
 fn nccl_group_of_one(options: NcclOptions) -> (Store, NcclGroup) {

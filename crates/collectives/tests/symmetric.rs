@@ -12,7 +12,7 @@ use tessera_collectives::{
     Collective, ProcessGroup, ReduceOp, SymmAlgo, SymmetricAllReduce, SymmetricOptions,
     ThreadGroup, Work, run_ranks,
 };
-use tessera_core::{DType, Device, Error, Result, Tensor, bf16, f16};
+use tessera_core::{DType, Device, Error, Result, Tensor};
 use tessera_rng::Generator;
 
 const ALGOS: [SymmAlgo; 2] = [SymmAlgo::OneShot, SymmAlgo::TwoShot];
@@ -59,17 +59,7 @@ fn input(dims: &[usize], dtype: DType, rank: usize, seed: u64, device: Device) -
         };
     }
     match dtype {
-        DType::F32 => Tensor::from_slice(&v, dims, device),
-        DType::BF16 => Tensor::from_slice(
-            &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
-            dims,
-            device,
-        ),
-        DType::F16 => Tensor::from_slice(
-            &v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
-            dims,
-            device,
-        ),
+        DType::F32 | DType::BF16 | DType::F16 => Tensor::from_f32_values(&v, dims, dtype, device),
         DType::U8 => ints!(u8, 1e3),
         DType::U32 => ints!(u32, 1e9),
         DType::I32 => ints!(i32, 1e9),

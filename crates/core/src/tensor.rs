@@ -3,7 +3,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::{DType, Device, Element, Error, Result, Shape};
+use crate::{DType, Device, Element, Error, Result, Shape, bf16, f16};
 
 #[cfg(feature = "cuda")]
 use crate::cuda::{CudaDevice, CudaResultExt};
@@ -177,6 +177,33 @@ impl Tensor {
         Self::from_bytes(bytemuck::cast_slice(data), shape, T::DTYPE, device)
     }
 
+    /// A tensor of the floating-point `dtype` (f32, bf16 or f16) holding `values`, each
+    /// rounded to nearest-even where `dtype` is narrower (what `half`'s `from_f32` does).
+    /// `values` must have exactly `shape.numel()` elements.
+    pub fn from_f32_values(
+        values: &[f32],
+        shape: impl Into<Shape>,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Tensor> {
+        match dtype {
+            DType::F32 => Self::from_slice(values, shape, device),
+            DType::BF16 => {
+                let v: Vec<bf16> = values.iter().map(|&x| bf16::from_f32(x)).collect();
+                Self::from_slice(&v, shape, device)
+            }
+            DType::F16 => {
+                let v: Vec<f16> = values.iter().map(|&x| f16::from_f32(x)).collect();
+                Self::from_slice(&v, shape, device)
+            }
+            other => Err(Error::dtype(
+                "Tensor::from_f32_values",
+                "f32, bf16 or f16",
+                other,
+            )),
+        }
+    }
+
     /// A tensor of `dtype` holding these bytes, which must be exactly
     /// `shape.numel() * dtype.size_in_bytes()` long.
     pub fn from_bytes(
@@ -332,6 +359,24 @@ impl Tensor {
         self.expect_dtype("Tensor::to_vec", T::DTYPE)?;
         let bytes = self.to_bytes()?;
         Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+
+    /// The elements of a floating-point tensor (f32, bf16 or f16) as f32 values (exact),
+    /// from any device.
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        fn widen<T: Element>(t: &Tensor, f: impl Fn(T) -> f32) -> Result<Vec<f32>> {
+            Ok(t.to_vec::<T>()?.into_iter().map(f).collect())
+        }
+        match self.dtype {
+            DType::F32 => self.to_vec::<f32>(),
+            DType::BF16 => widen(self, bf16::to_f32),
+            DType::F16 => widen(self, f16::to_f32),
+            other => Err(Error::dtype(
+                "Tensor::to_f32_vec",
+                "f32, bf16 or f16",
+                other,
+            )),
+        }
     }
 
     /// This tensor on `device`: a cheap clone when it is already there, else a copy.
@@ -503,6 +548,46 @@ mod tests {
         assert!(err.to_string().contains("cannot view"), "{err}");
         let err = Tensor::zeros([usize::MAX, 2], DType::F32, Device::Cpu).unwrap_err();
         assert!(err.to_string().contains("too large"), "{err}");
+    }
+
+    #[test]
+    fn f32_values_round_to_nearest_even_and_widen_exactly() {
+        // 1 + 2^-8 is a bf16 tie (rounds down to 1, even); 1 + 3 * 2^-8 rounds up to
+        // 1 + 2^-6; 1 + 2^-11 is an f16 tie (down to 1); NaN and infinities survive.
+        let v = [
+            1.0 + 2f32.powi(-8),
+            1.0 + 3.0 * 2f32.powi(-8),
+            1.0 + 2f32.powi(-11),
+            f32::NEG_INFINITY,
+        ];
+        let b = Tensor::from_f32_values(&v, [2, 2], DType::BF16, Device::Cpu).unwrap();
+        assert_eq!(b.dtype(), DType::BF16);
+        assert_eq!(
+            b.to_f32_vec().unwrap(),
+            [1.0, 1.0 + 2f32.powi(-6), 1.0, f32::NEG_INFINITY]
+        );
+        let h = Tensor::from_f32_values(&v, [4], DType::F16, Device::Cpu).unwrap();
+        assert_eq!(
+            h.to_f32_vec().unwrap(),
+            [
+                1.0 + 2f32.powi(-8),
+                1.0 + 3.0 * 2f32.powi(-8),
+                1.0,
+                f32::NEG_INFINITY
+            ]
+        );
+        let n = Tensor::from_f32_values(&[f32::NAN], [1], DType::BF16, Device::Cpu).unwrap();
+        assert!(n.to_f32_vec().unwrap()[0].is_nan());
+        let f = Tensor::from_f32_values(&v, [4], DType::F32, Device::Cpu).unwrap();
+        assert_eq!(f.to_f32_vec().unwrap(), v);
+        // Other dtypes, and a length that does not match the shape, are refused.
+        let err = Tensor::from_f32_values(&v, [4], DType::U8, Device::Cpu).unwrap_err();
+        assert!(err.to_string().contains("f32, bf16 or f16"), "{err}");
+        let err = Tensor::from_f32_values(&v, [3], DType::BF16, Device::Cpu).unwrap_err();
+        assert!(matches!(err, Error::Shape { .. }), "{err}");
+        let u = Tensor::zeros([2], DType::U32, Device::Cpu).unwrap();
+        let err = u.to_f32_vec().unwrap_err();
+        assert!(matches!(err, Error::DType { .. }), "{err}");
     }
 
     #[test]

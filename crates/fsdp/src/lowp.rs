@@ -27,7 +27,7 @@
 use std::collections::BTreeMap;
 
 use tessera_collectives::{Collective, ProcessGroup};
-use tessera_core::{DType, Error, Result, Shape, Tensor, bf16};
+use tessera_core::{DType, Error, Result, Shape, Tensor};
 use tessera_quant::{
     BufferName, Fp8CurrentScaling, Fp8Format, Kind, QuantizedTensor, Quantizer, Usage,
 };
@@ -90,14 +90,13 @@ pub fn reduce_scatter_low_precision(
     let mut acc = vec![0.0f32; cn];
     match format {
         LowPrecision::Bf16 => {
-            let b: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
-            let send = Tensor::from_slice(&b, [b.len()], device)?;
-            let all = group.all_gather(&send)?.into_result()?.to_vec::<bf16>()?;
+            let send = Tensor::from_f32_values(values, [values.len()], DType::BF16, device)?;
+            let all = group.all_gather(&send)?.into_result()?.to_f32_vec()?;
             for r in 0..n {
                 let part = &all[(r * n + me) * cn..][..cn];
                 for (a, v) in acc.iter_mut().zip(part) {
                     // r == 0 starts the sum (0 + v would turn -0.0 into +0.0).
-                    *a = if r == 0 { v.to_f32() } else { *a + v.to_f32() };
+                    *a = if r == 0 { *v } else { *a + v };
                 }
             }
         }

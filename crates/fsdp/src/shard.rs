@@ -1,6 +1,6 @@
 //! How one parameter is split along dim 0 over the ranks of a group.
 
-use tessera_core::{DType, Device, Error, Result, Shape, Tensor, bf16};
+use tessera_core::{DType, Device, Error, Result, Shape, Tensor};
 
 /// The dim-0 split of one parameter over `world` ranks.
 ///
@@ -151,36 +151,16 @@ impl ShardLayout {
     }
 }
 
-/// `t` (f32, bf16 or f16) converted to `dtype` (f32 or bf16), on the host; a cheap clone
-/// when it already has it.
+/// `t` (f32, bf16 or f16) converted to `dtype` (f32 or bf16, rounded to nearest-even), by
+/// way of the host; a cheap clone when it already has it.
 pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
     if t.dtype() == dtype {
         return Ok(t.clone());
     }
-    let host = t.to_device(Device::Cpu)?;
-    let v: Vec<f32> = match host.dtype() {
-        DType::F32 => host.as_slice::<f32>()?.to_vec(),
-        DType::BF16 => host
-            .as_slice::<bf16>()?
-            .iter()
-            .map(|x| x.to_f32())
-            .collect(),
-        DType::F16 => host
-            .as_slice::<tessera_core::f16>()?
-            .iter()
-            .map(|x| x.to_f32())
-            .collect(),
-        other => return Err(Error::dtype("cast", "f32, bf16 or f16", other)),
-    };
-    let out = match dtype {
-        DType::F32 => Tensor::from_slice(&v, t.shape(), Device::Cpu)?,
-        DType::BF16 => {
-            let b: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
-            Tensor::from_slice(&b, t.shape(), Device::Cpu)?
-        }
-        other => return Err(Error::dtype("cast", "f32 or bf16", other)),
-    };
-    out.to_device(t.device())
+    if !matches!(dtype, DType::F32 | DType::BF16) {
+        return Err(Error::dtype("cast", "f32 or bf16", dtype));
+    }
+    Tensor::from_f32_values(&t.to_f32_vec()?, t.shape(), dtype, Device::Cpu)?.to_device(t.device())
 }
 
 #[cfg(test)]

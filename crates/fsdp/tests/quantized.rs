@@ -193,13 +193,13 @@ fn quantized_gathers_equal_quantizing_the_whole_weight_on_one_rank() {
 }
 
 fn to_bf16(t: &Tensor) -> Tensor {
-    let v: Vec<bf16> = t
-        .as_slice::<f32>()
-        .unwrap()
-        .iter()
-        .map(|&x| bf16::from_f32(x))
-        .collect();
-    Tensor::from_slice(&v, t.shape(), Device::Cpu).unwrap()
+    Tensor::from_f32_values(
+        t.as_slice::<f32>().unwrap(),
+        t.shape(),
+        DType::BF16,
+        Device::Cpu,
+    )
+    .unwrap()
 }
 
 type Run = (Vec<f64>, Vec<(String, Tensor)>);
@@ -375,12 +375,10 @@ fn low_precision_reduce_scatter_accumulates_in_f32_deterministically() {
             }
             let native = counted
                 .reduce_scatter(
-                    &Tensor::from_slice(
-                        &grads[r]
-                            .iter()
-                            .map(|&v| bf16::from_f32(v))
-                            .collect::<Vec<_>>(),
+                    &Tensor::from_f32_values(
+                        &grads[r],
                         [world * rows_per_rank, cols],
+                        DType::BF16,
                         Device::Cpu,
                     )?,
                     ReduceOp::Sum,

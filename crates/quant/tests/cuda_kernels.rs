@@ -3,7 +3,6 @@
 //! and huge magnitudes), with poisoned outputs. Run with `cargo xtask test-gpu`.
 #![cfg(feature = "cuda")]
 
-use half::{bf16, f16};
 use std::collections::BTreeMap;
 use tessera_core::cuda::is_available;
 use tessera_core::{DType, Device, Replay, Tensor};
@@ -63,21 +62,7 @@ fn input(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
 
 /// `v` as a CPU tensor of `dtype` (f32, bf16 or f16; rounded to nearest).
 fn tensor_of(v: &[f32], shape: &[usize], dtype: DType) -> Tensor {
-    match dtype {
-        DType::F32 => Tensor::from_slice(v, shape, Device::Cpu),
-        DType::BF16 => Tensor::from_slice(
-            &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
-            shape,
-            Device::Cpu,
-        ),
-        DType::F16 => Tensor::from_slice(
-            &v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
-            shape,
-            Device::Cpu,
-        ),
-        _ => unreachable!(),
-    }
-    .unwrap()
+    Tensor::from_f32_values(v, shape, dtype, Device::Cpu).unwrap()
 }
 
 /// Shapes covering vector widths, tile edges (64) and ragged sizes.

@@ -11,7 +11,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use half::{bf16, f16};
 use tessera_core::{DType, Device, Error, Result, Shape, Tensor};
 use tessera_quant::wire::{self, Gather};
 use tessera_quant::{
@@ -104,22 +103,7 @@ impl Rng {
 }
 
 fn tensor(v: &[f32], dims: &[usize], dtype: DType) -> Tensor {
-    match dtype {
-        DType::F32 => Tensor::from_slice(v, dims, Device::Cpu).unwrap(),
-        DType::BF16 => Tensor::from_slice(
-            &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
-            dims,
-            Device::Cpu,
-        )
-        .unwrap(),
-        DType::F16 => Tensor::from_slice(
-            &v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
-            dims,
-            Device::Cpu,
-        )
-        .unwrap(),
-        _ => unreachable!(),
-    }
+    Tensor::from_f32_values(v, dims, dtype, Device::Cpu).unwrap()
 }
 
 // ---------------------------------------------------------------------------------------

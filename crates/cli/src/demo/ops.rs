@@ -17,7 +17,6 @@
 //! blocked differently by the two libraries, so a CPU run and a GPU run of the demo
 //! agree to f32 rounding, while two runs on one device agree to the bit.
 
-use half::bf16;
 use tessera_core::{DType, Device, Error, Result, Shape, Tensor};
 use tessera_rng::stream::dropout_scale;
 use tessera_rng::with_current_generator;
@@ -616,12 +615,7 @@ pub(crate) fn to_bf16(x: &Tensor) -> Result<Tensor> {
     if x.device().is_cuda() {
         return on_cuda!(x, gpu::to_bf16(x));
     }
-    let v: Vec<bf16> = x
-        .as_slice::<f32>()?
-        .iter()
-        .map(|&f| bf16::from_f32(f))
-        .collect();
-    Tensor::from_slice(&v, x.shape(), Device::Cpu)
+    Tensor::from_f32_values(x.as_slice::<f32>()?, x.shape(), DType::BF16, Device::Cpu)
 }
 
 /// A bf16 (or f32) tensor's values as f32.
@@ -629,10 +623,7 @@ pub(crate) fn to_f32(x: &Tensor) -> Result<Tensor> {
     match x.dtype() {
         DType::F32 => Ok(x.clone()),
         DType::BF16 if x.device().is_cuda() => on_cuda!(x, gpu::bf16_to_f32(x)),
-        DType::BF16 => {
-            let v: Vec<f32> = x.as_slice::<bf16>()?.iter().map(|b| b.to_f32()).collect();
-            Tensor::from_slice(&v, x.shape(), Device::Cpu)
-        }
+        DType::BF16 => Tensor::from_slice(&x.to_f32_vec()?, x.shape(), Device::Cpu),
         other => Err(Error::dtype("to_f32", "f32 or bf16", other)),
     }
 }

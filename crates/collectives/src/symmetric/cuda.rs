@@ -828,7 +828,6 @@ mod tests {
     use super::*;
     use crate::run_ranks;
     use cudarc::driver::DevicePtr;
-    use half::{bf16, f16};
     use tessera_rng::Generator;
 
     const GPU: Device = Device::Cuda(0);
@@ -853,17 +852,9 @@ mod tests {
             .collect();
         let d = [numel];
         match dtype {
-            DType::F32 => Tensor::from_slice(&v, d, Device::Cpu),
-            DType::BF16 => Tensor::from_slice(
-                &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
-                d,
-                Device::Cpu,
-            ),
-            DType::F16 => Tensor::from_slice(
-                &v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
-                d,
-                Device::Cpu,
-            ),
+            DType::F32 | DType::BF16 | DType::F16 => {
+                Tensor::from_f32_values(&v, d, dtype, Device::Cpu)
+            }
             DType::U8 => Tensor::from_slice(
                 &v.iter()
                     .map(|&x| (x * 1e3) as i64 as u8)
@@ -1004,22 +995,8 @@ mod tests {
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             let a: Vec<f32> = specials.iter().flat_map(|&x| specials.map(|_| x)).collect();
             let b: Vec<f32> = specials.iter().flat_map(|_| specials).collect();
-            let host = |v: &[f32]| -> Tensor {
-                match dtype {
-                    DType::F32 => Tensor::from_slice(v, [v.len()], Device::Cpu),
-                    DType::BF16 => Tensor::from_slice(
-                        &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
-                        [v.len()],
-                        Device::Cpu,
-                    ),
-                    _ => Tensor::from_slice(
-                        &v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
-                        [v.len()],
-                        Device::Cpu,
-                    ),
-                }
-                .unwrap()
-            };
+            let host =
+                |v: &[f32]| Tensor::from_f32_values(v, [v.len()], dtype, Device::Cpu).unwrap();
             let inputs = [host(&a), host(&b)];
             let gpu: Vec<Tensor> = inputs.iter().map(|t| t.to_device(GPU).unwrap()).collect();
             let mut src = Peers::default();
@@ -1037,8 +1014,8 @@ mod tests {
                 // SAFETY: two live input tensors and an output of the same length, alive
                 // until the synchronization in `to_device`.
                 unsafe { launch_reduce(&dev, dtype, 2, &src, ptr(&out), 0, a.len(), op) }.unwrap();
-                let got = as_f32(&out.to_device(Device::Cpu).unwrap());
-                for (i, (g, w)) in got.iter().zip(&as_f32(&want[0])).enumerate() {
+                let got = out.to_f32_vec().unwrap();
+                for (i, (g, w)) in got.iter().zip(&want[0].to_f32_vec().unwrap()).enumerate() {
                     let same = (g.is_nan() && w.is_nan()) || g.to_bits() == w.to_bits();
                     assert!(
                         same,
@@ -1047,24 +1024,6 @@ mod tests {
                     );
                 }
             }
-        }
-    }
-
-    fn as_f32(t: &Tensor) -> Vec<f32> {
-        match t.dtype() {
-            DType::F32 => t.to_vec::<f32>().unwrap(),
-            DType::BF16 => t
-                .to_vec::<bf16>()
-                .unwrap()
-                .iter()
-                .map(|x| x.to_f32())
-                .collect(),
-            _ => t
-                .to_vec::<f16>()
-                .unwrap()
-                .iter()
-                .map(|x| x.to_f32())
-                .collect(),
         }
     }
 
