@@ -5,7 +5,9 @@
 //! - [`DType`], [`Shape`] and [`Device`]: what a buffer holds, how it is laid out, and
 //!   where it lives;
 //! - [`Tensor`]: a dense row-major buffer on the host or (feature `cuda`) on a CUDA
-//!   device, cheap to clone, copy-on-write, with typed host access through bytemuck;
+//!   device, cheap to clone, copy-on-write, with typed host access through bytemuck and
+//!   f32 values in and out of its floating-point dtypes
+//!   ([`Tensor::from_f32_values`], [`Tensor::to_f32_vec`]);
 //! - [`Error`]: the one error type, whose messages say what was wrong and what was
 //!   expected;
 //! - [`Replay`] and [`Snapshot`]: state that activation recomputation must replay
@@ -27,10 +29,13 @@
 //! y.as_mut_slice::<f32>()?[0] = -1.0; // ... until one side writes
 //! assert_eq!(x.as_slice::<f32>()?[0], 1.0);
 //!
+//! // f32 values to bf16 (round to nearest-even) and back (exact).
+//! let b = Tensor::from_f32_values(&[1.0, 1.00390625, 3.0], [3], DType::BF16, Device::Cpu)?;
+//! assert_eq!(b.to_f32_vec()?, [1.0, 1.0, 3.0]);
+//!
 //! // Bad input is a typed error, not a panic.
 //! let err = x.as_slice::<u32>().unwrap_err();
 //! assert_eq!(err.to_string(), "Tensor::as_slice: expected a tensor of dtype u32, got f32");
-//! # let _ = DType::BF16;
 //! # Ok(())
 //! # }
 //! ```
