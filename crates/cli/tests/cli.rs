@@ -209,26 +209,6 @@ fn read_safetensors(path: &Path) -> StFile {
     }
 }
 
-/// The f32 values of a bf16/f16/f32 tensor.
-fn f32_values(t: &Tensor) -> Vec<f32> {
-    match t.dtype() {
-        DType::F32 => t.to_vec::<f32>().unwrap(),
-        DType::BF16 => t
-            .to_vec::<bf16>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_f32())
-            .collect(),
-        DType::F16 => t
-            .to_vec::<f16>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_f32())
-            .collect(),
-        _ => unreachable!(),
-    }
-}
-
 /// The f32 values stored in a safetensors entry of a high-precision dtype.
 fn entry_values(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
     match dtype {
@@ -558,7 +538,7 @@ fn safetensors_round_trip_every_format() {
             let lib = expected[name].dequantize(src.dtype()).unwrap();
             assert!(bytes == lib.as_bytes().unwrap(), "{name}: values differ");
             assert_within(
-                &f32_values(src),
+                &src.to_f32_vec().unwrap(),
                 &entry_values(*dtype, bytes),
                 case.rel,
                 src.dtype(),
@@ -676,7 +656,7 @@ fn bf16_to_npy_is_widened_to_f32() {
     assert_eq!(npy.dtype().descr(), "'<f4'");
     let y: Vec<f32> = npy.into_vec().unwrap();
     let qt = Nvfp4Quantizer::new().quantize(&w).unwrap();
-    let lib: Vec<f32> = f32_values(&qt.dequantize(DType::BF16).unwrap());
+    let lib: Vec<f32> = qt.dequantize(DType::BF16).unwrap().to_f32_vec().unwrap();
     assert_eq!(y, lib, "the bf16 values, widened exactly");
 }
 
@@ -1121,7 +1101,7 @@ fn report_lists_tensors_skips_and_a_summary() {
 
     // The library's numbers for `a.weight`.
     let qt = Mxfp8Quantizer::new(Fp8Format::E4M3).quantize(&w).unwrap();
-    let x = f32_values(&w);
+    let x = w.to_f32_vec().unwrap();
     let (mut max_abs, mut snr) = (0f64, f64::INFINITY);
     for u in [Usage::Rowwise, Usage::Columnwise] {
         let y = qt

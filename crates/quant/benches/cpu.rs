@@ -92,12 +92,7 @@ fn quantizers(c: &mut Criterion) {
 
 fn building_blocks(c: &mut Criterion) {
     let x = input();
-    let v: Vec<f32> = x
-        .as_slice::<bf16>()
-        .unwrap()
-        .iter()
-        .map(|b| b.to_f32())
-        .collect();
+    let v = x.to_f32_vec().unwrap();
     let mut group = c.benchmark_group("f32-4096x4096");
     group.throughput(Throughput::Bytes((v.len() * 4) as u64));
     group.sample_size(10);

@@ -4,7 +4,6 @@
 
 use std::collections::BTreeMap;
 
-use half::{bf16, f16};
 use tessera_core::{DType, Device, Error, Shape, Tensor};
 use tessera_quant::{
     BlockDim, BufferName, Fp8BlockQuantizer, Fp8CurrentScaling, Fp8DelayedScaling, Fp8Format, Kind,
@@ -108,22 +107,7 @@ fn input(dims: &[usize], dtype: DType) -> Tensor {
     let v: Vec<f32> = (0..n)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.13)
         .collect();
-    match dtype {
-        DType::F32 => Tensor::from_slice(&v, dims, Device::Cpu).unwrap(),
-        DType::BF16 => Tensor::from_slice(
-            &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
-            dims,
-            Device::Cpu,
-        )
-        .unwrap(),
-        DType::F16 => Tensor::from_slice(
-            &v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
-            dims,
-            Device::Cpu,
-        )
-        .unwrap(),
-        _ => unreachable!(),
-    }
+    Tensor::from_f32_values(&v, dims, dtype, Device::Cpu).unwrap()
 }
 
 fn layout_of(q: &QuantizedTensor) -> Vec<(BufferName, DType, Shape)> {

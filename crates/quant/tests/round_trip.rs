@@ -90,23 +90,9 @@ fn values(seed: u64, m: usize, k: usize, exps: (i32, i32)) -> Vec<f32> {
 
 /// A host tensor of `dtype` from `v`, and its exact values as f32.
 fn input(v: &[f32], dims: &[usize], dtype: DType) -> (Tensor, Vec<f32>) {
-    match dtype {
-        DType::F32 => (
-            Tensor::from_slice(v, dims, Device::Cpu).unwrap(),
-            v.to_vec(),
-        ),
-        DType::BF16 => {
-            let h: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
-            let exact = h.iter().map(|x| x.to_f32()).collect();
-            (Tensor::from_slice(&h, dims, Device::Cpu).unwrap(), exact)
-        }
-        DType::F16 => {
-            let h: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
-            let exact = h.iter().map(|x| x.to_f32()).collect();
-            (Tensor::from_slice(&h, dims, Device::Cpu).unwrap(), exact)
-        }
-        _ => unreachable!(),
-    }
+    let t = Tensor::from_f32_values(v, dims, dtype, Device::Cpu).unwrap();
+    let exact = t.to_f32_vec().unwrap();
+    (t, exact)
 }
 
 fn dtype_strategy() -> impl Strategy<Value = DType> {
