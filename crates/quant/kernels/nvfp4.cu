@@ -37,11 +37,11 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
     return r;
 }
 
-// Half the uniform of element j's stochastic rounding, byte / 512: the byte placed in
-// the low mantissa bits of 16384 (whose ulp is 2^-9) by one byte permute, less 16384.
-__device__ __forceinline__ float sr_half_uniform(uint4 r, int j) {
-    const uint32_t w = (j / 4) == 0 ? r.x : (j / 4) == 1 ? r.y : (j / 4) == 2 ? r.z : r.w;
-    return __fadd_rn(__uint_as_float(prmt(w, 0x46800000u, 0x7650u | (uint32_t)(j % 4))), -16384.0f);
+// The random byte of element j (0 .. 15) of a Philox block: byte j % 4 of word j / 4,
+// alone in the low byte (one byte permute, the other bytes from zero's).
+__device__ __forceinline__ uint32_t sr_byte(uint32_t w, int j) { return prmt(w, 0u, 0x4440u | (uint32_t)(j % 4)); }
+__device__ __forceinline__ uint32_t sr_byte(uint4 r, int j) {
+    return sr_byte((j / 4) == 0 ? r.x : (j / 4) == 1 ? r.y : (j / 4) == 2 ? r.z : r.w, j);
 }
 
 // ---- E2M1 -----------------------------------------------------------------------------
@@ -90,27 +90,29 @@ __device__ __forceinline__ uint32_t e2m1x8(const float* v, float g) {
     return w - 0x4B000000u * 0x11111111u;
 }
 
-// The magnitude code of x with stochastic rounding, 8 random bits r8 given as h = r8 / 512
-// (spec/formats.md 2.4; nvfp4.rs): t = |x| + (r8 / 256) * step(|x|), step 0.5 below 2, 1
-// below 4, else 2, then the code of min(floor(t / step(t)) * step(t), 6).
-// - 2 step(|x|) is |x|'s exponent, at least 1 (an integer max on the bits). Above 4 it is
-//   left unclamped: there |x| >= 8, so t >= 8 codes 7 whatever the step (Inf and NaN
-//   steps make t Inf or NaN, which code 7 too). h * 2 step is exact, so t is one fma.
-// - floor onto the E2M1 grid is truncation to E2M1's precision: t * 2^-126 rounded
-//   toward zero has the code in its bits 22 and up (E2M1 values times 2^-126 are float32
-//   values with the code's exponent and mantissa bit; below 1 the product is subnormal,
-//   its bits floor(t * 2^23)), and min(., 7) saturates (NaN's and Inf's bits give more).
-// Checked against the definition on every t >= 0, and as a whole encoder against the
-// CPU's on every float x (bench/cuda/e2m1_check.cpp).
-__device__ __forceinline__ uint32_t e2m1_sr_magnitude(float x, float h) {
-    const float step2 = __uint_as_float(max(__float_as_uint(x) & 0x7F800000u, 0x3F800000u));
-    const float t = __fmaf_rn(h, step2, fabsf(x));
-    return min(__float_as_uint(__fmul_rz(t, 1.17549435082228751e-38f)) >> 22, 7u);  // 2^-126
+// The magnitude code of x with stochastic rounding by the random byte r8 (spec/formats.md
+// 2.4; cast.rs encode_e2m1_stochastic): t = |x| + (r8 / 256) s(|x|), summed exactly, step
+// s 0.5 below 2, 1 below 4, else 2, then the code of min(floor(t / s(t)) s(t), 6).
+// - |x| 2^-126 rounded toward zero (z) puts E2M1's grid at bit 22 of z's bits: below 1
+//   z is subnormal and its bits are floor(|x| 2^23) (step 0.5 = 2^22 units); in [1, 8)
+//   the exponent field is 1 .. 3 and a step is 2^22 units of that binade. Bits 22 up
+//   are the code (2 .. 7 from 1.0 up, 0, 1 below).
+// - r8 s / 256 is r8 2^14 units in every binade, so t is the integer sum of z's bits and
+//   r8 << 14, floor(t / s) is that sum's bits 22 up (floor((floor(A) + R) / N) =
+//   floor((A + R) / N) for integers R, N), and a carry into the next binade leaves its
+//   first grid point, as the definition does (t < that point + s(|x|)).
+// - min(., 7) saturates t >= 8, and Inf and NaN: their bits (0x7F800000 up) plus at most
+//   255 << 14 stay below 2^32 and give more than 7.
+// Checked against the definition on every float x with every byte
+// (bench/cuda/e2m1_check.cpp).
+__device__ __forceinline__ uint32_t e2m1_sr_magnitude(float x, uint32_t r8) {
+    const uint32_t z = __float_as_uint(__fmul_rz(fabsf(x), 1.17549435082228751e-38f));  // 2^-126
+    return min((z + (r8 << 14)) >> 22, 7u);
 }
 
 // Stochastic rounding of x (e2m1_sr_magnitude), with e2m1_negative's sign.
-__device__ __forceinline__ uint32_t e2m1_sr(float x, float h) {
-    return e2m1_sr_magnitude(x, h) | (e2m1_negative(x) ? 8u : 0u);
+__device__ __forceinline__ uint32_t e2m1_sr(float x, uint32_t r8) {
+    return e2m1_sr_magnitude(x, r8) | (e2m1_negative(x) ? 8u : 0u);
 }
 
 // The value of an E2M1 code, exactly: the code's bits placed at float32 bit 22 read as a
@@ -532,7 +534,6 @@ struct BothLane {
 struct BothShared {
     float2 tab[2][128];
     float se[2];
-    uint32_t magic;
     BothScales stage;
 };
 
@@ -544,7 +545,6 @@ __device__ __forceinline__ void both_tables(BothShared& sh, const Nvfp4Args& a) 
     const float se = q != nullptr ? global_encode_scale((o ? a.amax_col : a.amax_row)[0]) : 1.0f;
     sh.tab[o][threadIdx.x & 127] = block_table_entry(threadIdx.x & 127, __frcp_rn(se));
     if ((threadIdx.x & 127) == 0) sh.se[o] = se;
-    if (threadIdx.x == 0) sh.magic = 0x46800000u;
 }
 
 // The parts of the round-to-nearest both kernel that bench/cuda/nvfp4_cost.cu replaces
@@ -713,18 +713,11 @@ __device__ __forceinline__ uint32_t e2m1x8_rn(const float* y) {
 
 // 8 products to E2M1 codes with stochastic rounding (e2m1_sr_magnitude), element j with
 // byte j % 4 of r.x (j < 4) or r.y; signs from the products' sign bits. The codes are
-// added in place (one multiply-add each; the fields do not overlap). 16384.0f's bits
-// are held in a register (an asm the compiler cannot fold) so that each byte permute
-// takes its selector as the immediate: with the constant as the immediate, every
-// permute first moved its selector into a register.
-__device__ __forceinline__ uint32_t e2m1x8_sr(const float* y, uint2 r, uint32_t magic) {
+// added in place (one multiply-add each; the fields do not overlap).
+__device__ __forceinline__ uint32_t e2m1x8_sr(const float* y, uint2 r) {
     uint32_t w = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const uint32_t rw = j < 4 ? r.x : r.y;
-        const float h = __fadd_rn(__uint_as_float(prmt(rw, magic, 0x7650u | (uint32_t)(j % 4))), -16384.0f);
-        w += e2m1_sr_magnitude(y[j], h) << (4 * j);
-    }
+    for (int j = 0; j < 8; ++j) w += e2m1_sr_magnitude(y[j], sr_byte(j < 4 ? r.x : r.y, j)) << (4 * j);
     return w | float_signs(y);
 }
 
@@ -753,7 +746,6 @@ __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLan
     const u64 r0 = R0 + rt, col = C0 + ct;
     auto& stage = sh.stage;
     __syncthreads();
-    const uint32_t magic = sh.magic;
     if (a.q_row != nullptr) {
         // The pair's 8 NaN-ignoring row block amaxes, rm[q] rows 2q, 2q + 1; lane half h
         // computes the scales of rows 4h .. 4h + 3 and trades encode scales.
@@ -810,7 +802,7 @@ __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLan
 #pragma unroll
                 for (int j = 0; j < 8; ++j) y[j] = __fmul_rn(y[j], rgs[i]);
                 uint32_t code;
-                if constexpr (Sr) code = e2m1x8_sr(y, rw[i], magic);
+                if constexpr (Sr) code = e2m1x8_sr(y, rw[i]);
                 else code = e2m1x8_rn(y);
                 *reinterpret_cast<uint32_t*>(q + i * (a.k / 2)) = code;
             }
@@ -852,8 +844,8 @@ __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLan
             uint2 out;
             if constexpr (Sr) {
                 const uint4 r = random16(a.seed, a.off_col, (c4 + c) * a.m + R16);
-                out = make_uint2(e2m1x8_sr(y, make_uint2(r.x, r.y), magic),
-                                 e2m1x8_sr(y + 8, make_uint2(r.z, r.w), magic));
+                out = make_uint2(e2m1x8_sr(y, make_uint2(r.x, r.y)),
+                                 e2m1x8_sr(y + 8, make_uint2(r.z, r.w)));
             } else {
                 out = make_uint2(e2m1x8_rn(y), e2m1x8_rn(y + 8));
             }
@@ -983,7 +975,7 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
             const float y = __fmul_rn(v[j], g);
-            const uint32_t code = a.sr ? e2m1_sr(y, sr_half_uniform(rnd, j)) : e2m1(y);
+            const uint32_t code = a.sr ? e2m1_sr(y, sr_byte(rnd, j)) : e2m1(y);
             packed[j / 8] |= code << (4 * (j % 8));
         }
         reinterpret_cast<uint2*>(a.q_row + row * (a.k / 2) + col / 2)[0] = make_uint2(packed[0], packed[1]);
@@ -1031,7 +1023,7 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
         const float y = __fmul_rn(w[i], g);
-        const uint32_t code = a.sr ? e2m1_sr(y, sr_half_uniform(rnd, i)) : e2m1(y);
+        const uint32_t code = a.sr ? e2m1_sr(y, sr_byte(rnd, i)) : e2m1(y);
         packed[i / 8] |= code << (4 * (i % 8));
     }
     reinterpret_cast<uint2*>(a.q_col + kk * (a.m / 2) + mm / 2)[0] = make_uint2(packed[0], packed[1]);

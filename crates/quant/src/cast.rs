@@ -306,27 +306,37 @@ pub fn decode_e2m1(code: u8) -> f32 {
 /// Stochastic rounding of float32 to E2M1 with 8 random bits (`spec/formats.md` §2.4):
 /// with `u = r / 256` and the grid step `s(v)` (0.5 below 2, 1 in [2, 4), 2 from 4),
 /// `t = |x| + u·s(|x|)` and the result is `min(floor(t / s(t))·s(t), 6)` with the sign
-/// of `x`; NaN gives +6. Unbiased: `E[result] = x` for `|x| <= 6`.
+/// of `x`; NaN gives +6. Unbiased up to the 1/256 of a step that 8 random bits resolve.
+///
+/// `t` is the exact sum, as the rule states and as a hardware conversion that adds the
+/// random bits below the kept mantissa bit computes it, not the sum rounded to float32
+/// (which rounds onto a grid point in rare cases, e.g. `|x| = 0.25 − 2^-26` with
+/// `r = 128`: exactly `t = 0.5 − 2^-26` gives 0, rounded `t = 0.5` gives 0.5). With
+/// `a = |x| < 8`: `floor(t / s(a)) = floor((floor(256·a / s(a)) + r) / 256)`, all in
+/// integers (`256·a / s(a)` is `a` scaled by a power of two, exact). Where `t` reaches
+/// the next binade, `floor(t / s(a))·s(a)` is that binade's first grid point, as is
+/// `floor(t / s(t))·s(t)`, since `t < 2·s(a)` past it. From 8 up `t >= 8` saturates.
 #[inline]
 pub fn encode_e2m1_stochastic(x: f32, r: u8) -> u8 {
     if x.is_nan() {
         return 7;
     }
-    fn step(v: f32) -> f32 {
-        if v < 2.0 {
-            0.5
-        } else if v < 4.0 {
-            1.0
-        } else {
-            2.0
-        }
-    }
     let a = x.abs();
-    let u = f32::from(r) * (1.0 / 256.0);
-    let t = a + u * step(a);
-    let s = step(t);
-    let v = ((t / s).floor() * s).min(6.0);
     let sign = u8::from(x.is_sign_negative()) << 3;
+    if a >= 8.0 {
+        return sign | 7;
+    }
+    // 256 / s(a) and s(a) for a < 8.
+    let (per_step, s) = if a < 2.0 {
+        (512.0f32, 0.5f32)
+    } else if a < 4.0 {
+        (256.0, 1.0)
+    } else {
+        (128.0, 2.0)
+    };
+    // Exact: a < 8 times at most 512 is below 2^12, an integer after floor.
+    let k = ((a * per_step).floor() as u32 + u32::from(r)) / 256;
+    let v = (k as f32 * s).min(6.0);
     sign | E2M1.encode_magnitude(v.to_bits()) as u8
 }
 
@@ -552,5 +562,53 @@ mod tests {
         assert_eq!(encode_e2m1_stochastic(7.0, 0), 7);
         assert_eq!(encode_e2m1_stochastic(f32::NAN, 3), 7);
         assert_eq!(encode_e2m1_stochastic(-0.0, 0), 8);
+    }
+
+    /// The rule with `t` summed in float64, exact for `|x| >= 2^-20` (t's bits then span
+    /// 2^3 down to 2^-43, fewer than 53).
+    fn stochastic_in_f64(x: f32, r: u8) -> u8 {
+        let a = f64::from(x.abs());
+        let step = |v: f64| {
+            if v < 2.0 {
+                0.5
+            } else if v < 4.0 {
+                1.0
+            } else {
+                2.0
+            }
+        };
+        let t = a + f64::from(r) / 256.0 * step(a);
+        let v = ((t / step(t)).floor() * step(t)).min(6.0);
+        (u8::from(x.is_sign_negative()) << 3) | encode_e2m1(v as f32)
+    }
+
+    #[test]
+    fn stochastic_rounding_sums_exactly() {
+        // Rounded to float32, t = 0.5 - 2^-26 becomes 0.5 (a tie, to even) and the code 1.
+        let x = 0.25f32 - (2.0f32).powi(-26);
+        assert_eq!(x + 128.0 / 256.0 * 0.5, 0.5);
+        assert_eq!(encode_e2m1_stochastic(x, 128), 0);
+        assert_eq!(encode_e2m1_stochastic(x, 129), 1);
+        // Every byte on magnitudes across all binades from 2^-20 to 8 and past it, both
+        // signs: a stride through the float32 bit patterns that hits all mantissa bits.
+        let (lo, hi) = ((2.0f32).powi(-20).to_bits(), 9.0f32.to_bits());
+        for bits in (lo..hi).step_by(4099) {
+            for x in [f32::from_bits(bits), -f32::from_bits(bits)] {
+                for r in 0..=255u8 {
+                    assert_eq!(
+                        encode_e2m1_stochastic(x, r),
+                        stochastic_in_f64(x, r),
+                        "x {x:e} ({bits:#010x}), r {r}"
+                    );
+                }
+            }
+        }
+        // Below 2^-20 only a byte of at least 256 - 2^-11 could reach 0.5: the code is 0.
+        for x in [f32::from_bits(1), 1e-30, (2.0f32).powi(-21)] {
+            assert_eq!(encode_e2m1_stochastic(x, 255), 0);
+            assert_eq!(encode_e2m1_stochastic(-x, 255), 8);
+        }
+        assert_eq!(encode_e2m1_stochastic(f32::INFINITY, 0), 7);
+        assert_eq!(encode_e2m1_stochastic(f32::NEG_INFINITY, 0), 15);
     }
 }
