@@ -15,7 +15,7 @@
 //   g++ -O2 -frounding-math -fopenmp bench/cuda/e2m1_check.cpp -o e2m1 && ./e2m1
 // Output of 2026-12-03 (round to nearest): "mismatches 0", "fast-path mismatches 0 of
 // 2176843776". Output of 2026-12-06 (stochastic rounding with the exact sum):
-// see BENCHMARKS.md, "Stochastic rounding by an integer add".
+// "stochastic-rounding mismatches 0 of 562573606912" (and the two above again).
 #include <cfenv>
 #include <cstdint>
 #include <cstring>
