@@ -413,12 +413,14 @@ fn check_mxfp8(x: &[f32], qt: &QuantizedTensor, f: Fp8Format, two_d: bool, swizz
     }
 }
 
-fn mxfp8_dims() -> impl Strategy<Value = Vec<usize>> {
-    (1usize..=3, 1usize..=4, any::<bool>()).prop_map(|(a, kb, split)| {
+/// Shapes whose flattened rows and columns are multiples of `block` (1 to `max_rows`
+/// blocks of rows, 1 to 4 of columns), half of them 3-D with the rows split in two.
+fn block_multiple_dims(block: usize, max_rows: usize) -> impl Strategy<Value = Vec<usize>> {
+    (1usize..=max_rows, 1usize..=4, any::<bool>()).prop_map(move |(a, kb, split)| {
         if split {
-            vec![2, 16 * a, 32 * kb]
+            vec![2, block / 2 * a, block * kb]
         } else {
-            vec![32 * a, 32 * kb]
+            vec![block * a, block * kb]
         }
     })
 }
@@ -428,7 +430,7 @@ proptest! {
 
     #[test]
     fn mxfp8_round_trips(
-        dims in mxfp8_dims(),
+        dims in block_multiple_dims(32, 3),
         f in format_strategy(),
         two_d in any::<bool>(),
         swizzled in any::<bool>(),
@@ -701,22 +703,12 @@ fn check_nvfp4(x: &[f32], qt: &QuantizedTensor, two_d: bool, rht_on: bool, swizz
     }
 }
 
-fn nvfp4_dims() -> impl Strategy<Value = Vec<usize>> {
-    (1usize..=4, 1usize..=4, any::<bool>()).prop_map(|(a, kb, split)| {
-        if split {
-            vec![2, 8 * a, 16 * kb]
-        } else {
-            vec![16 * a, 16 * kb]
-        }
-    })
-}
-
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(160))]
 
     #[test]
     fn nvfp4_round_trips(
-        dims in nvfp4_dims(),
+        dims in block_multiple_dims(16, 4),
         two_d in any::<bool>(),
         rht_on in any::<bool>(),
         swizzled in any::<bool>(),
