@@ -315,7 +315,8 @@ pub fn decode_e2m1(code: u8) -> f32 {
 /// `a = |x| < 8`: `floor(t / s(a)) = floor((floor(256·a / s(a)) + r) / 256)`, all in
 /// integers (`256·a / s(a)` is `a` scaled by a power of two, exact). Where `t` reaches
 /// the next binade, `floor(t / s(a))·s(a)` is that binade's first grid point, as is
-/// `floor(t / s(t))·s(t)`, since `t < 2·s(a)` past it. From 8 up `t >= 8` saturates.
+/// `floor(t / s(t))·s(t)`, since `t` passes it by less than `s(a)`, half the next
+/// binade's step. From 8 up `t >= 8` saturates.
 #[inline]
 pub fn encode_e2m1_stochastic(x: f32, r: u8) -> u8 {
     if x.is_nan() {
@@ -334,7 +335,8 @@ pub fn encode_e2m1_stochastic(x: f32, r: u8) -> u8 {
     } else {
         (128.0, 2.0)
     };
-    // Exact: a < 8 times at most 512 is below 2^12, an integer after floor.
+    // Exact: a·256/s(a) is below 1024 (a scaled by a power of two), an integer after
+    // floor.
     let k = ((a * per_step).floor() as u32 + u32::from(r)) / 256;
     let v = (k as f32 * s).min(6.0);
     sign | E2M1.encode_magnitude(v.to_bits()) as u8
