@@ -605,7 +605,7 @@ mod tests {
                 }
             }
         }
-        // Below 2^-20 only a byte of at least 256 - 2^-11 could reach 0.5: the code is 0.
+        // Below 2^-20, 2t < 2^-19 + 255/256 < 1 for every byte: the code is 0.
         for x in [f32::from_bits(1), 1e-30, (2.0f32).powi(-21)] {
             assert_eq!(encode_e2m1_stochastic(x, 255), 0);
             assert_eq!(encode_e2m1_stochastic(-x, 255), 8);
