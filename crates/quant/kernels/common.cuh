@@ -552,9 +552,12 @@ template <bool E4M3> __device__ __forceinline__ uint4 fp8x16(const float* v, flo
 // (V = elements per 16-byte vector): run l covers columns l*8V + (t%8)*V .. +V. The 8
 // threads of a row group load one contiguous 8V-element (128-byte) stretch per
 // instruction, so every 16-byte load and every store of a row is fully coalesced.
-// Tile column of element j (0..15) of column group cg, for runs of V elements.
+
+// Tile column of element j (0..15) of column group cg, for runs of V elements (shared by
+// Tile128 and the transposed staging, Transposed128::put_rows).
 template <int V> __device__ __forceinline__ int tile128_col(int cg, int j) { return (j / V) * 8 * V + cg * V + j % V; }
 
+// The tile of a thread, as described above.
 template <class T> struct Tile128 {
     static constexpr int V = 16 / (int)sizeof(T);  // elements per 16-byte vector
     static constexpr int L = 16 / V;               // vectors per row and thread
