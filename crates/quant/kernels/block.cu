@@ -231,18 +231,22 @@ __device__ void block_impl(const T* __restrict__ x, const BlockArgs& p) {
 #define BLOCK_KERNEL(SUFFIX, T, FMT, E4M3)                                                     \
     extern "C" __global__ void __launch_bounds__(256, TQ_MINB_BLOCK_ROW)                      \
         tessera_fp8_block_row_##SUFFIX##_##FMT(BLOCK_PARAMS(T)) {                              \
+        pdl_first();                                                                           \
         block_row_impl<T, E4M3>(x, BlockArgs BLOCK_ARGS);                                      \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_1D)  \
         tessera_fp8_block_1d_##SUFFIX##_##FMT(BLOCK_PARAMS(T)) {                               \
+        pdl_first();                                                                           \
         block_impl<T, E4M3, false>(x, BlockArgs BLOCK_ARGS);                                   \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_2D)  \
         tessera_fp8_block_2d_##SUFFIX##_##FMT(BLOCK_PARAMS(T)) {                               \
+        pdl_first();                                                                           \
         block_impl<T, E4M3, true>(x, BlockArgs BLOCK_ARGS);                                    \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_BLOCK_2D)  \
         tessera_fp8_block_2d_row_##SUFFIX##_##FMT(BLOCK_PARAMS(T)) {                           \
+        pdl_first();                                                                           \
         block_impl<T, E4M3, true>(                                                             \
             x, BlockArgs{m, k, fp8_max, pow2, eps, value_for_inf, q_row, s_row, s_row_cols,    \
                          nullptr, nullptr, 0});                                                \
@@ -278,10 +282,12 @@ __device__ void block_dequant_impl(const uint8_t* __restrict__ q, const float* _
 #define BLOCK_DEQUANT(SUFFIX, T, FMT, E4M3)                                                    \
     extern "C" __global__ void __launch_bounds__(256) tessera_fp8_block_dequant_##SUFFIX##_##FMT( \
         const uint8_t* q, const float* s, T* y, u64 m, u64 k, u64 s_cols, int mode) {          \
+        pdl_first();                                                                           \
         block_dequant_impl<T, E4M3, false>(q, s, y, m, k, s_cols, mode);                       \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256) tessera_fp8_block_dequant_t_##SUFFIX##_##FMT( \
         const uint8_t* q, const float* s, T* y, u64 m, u64 k, u64 s_cols, int mode) {          \
+        pdl_first();                                                                           \
         block_dequant_impl<T, E4M3, true>(q, s, y, m, k, s_cols, mode);                        \
     }
 BLOCK_DEQUANT(f32, float, e4m3, true)

@@ -51,7 +51,7 @@ typedef unsigned long long u64;
 
 // ---- programmatic dependent launch (sm_90) -------------------------------------------
 
-// A kernel launched with programmatic stream serialization (the host's `launch_after`)
+// A kernel launched with programmatic stream serialization (the host's `launch_params`)
 // may start while the kernel before it in the stream still runs: once every CTA of that
 // kernel has called pdl_launch_dependents() (or exited), its CTAs take the SM slots the
 // earlier one frees. pdl_wait() blocks until the earlier kernel has finished and its
@@ -79,6 +79,15 @@ __device__ __forceinline__ void pdl_wait() {
         "}" ::: "memory");
 }
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// The start of a one-pass kernel launched after any kernel (the host's `Order::WaitFirst`):
+// the next programmatic launch may take the slots this kernel's CTAs free, and nothing
+// is read or written before the kernel before has finished. What it gains is the launch
+// and the CTAs' start, overlapped with the tail of the kernel before.
+__device__ __forceinline__ void pdl_first() {
+    pdl_launch_dependents();
+    pdl_wait();
+}
 
 // ---- input element types -------------------------------------------------------------
 

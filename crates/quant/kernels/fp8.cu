@@ -351,10 +351,12 @@ __device__ void dequant_transposed_impl(const uint8_t* __restrict__ q, T* __rest
 #define DEQUANT(SUFFIX, T, FMT, E4M3)                                                          \
     extern "C" __global__ void __launch_bounds__(256) tessera_fp8_dequant_##SUFFIX##_##FMT(    \
         const uint8_t* __restrict__ q, T* __restrict__ y, u64 n, const float* scale_inv) {    \
+        pdl_first();                                                                          \
         dequant_impl<T, E4M3>(q, y, n, scale_inv);                                             \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256) tessera_fp8_dequant_t_##SUFFIX##_##FMT(  \
         const uint8_t* __restrict__ q, T* __restrict__ y, u64 m, u64 k, const float* scale_inv) { \
+        pdl_first();                                                                              \
         dequant_transposed_impl<T, E4M3>(q, y, m, k, scale_inv);                                \
     }
 DEQUANT(f32, float, e4m3, true)

@@ -265,12 +265,14 @@ __device__ void mxfp8_impl(const T* __restrict__ x, u64 m, u64 k, float max_rcp,
         const T* __restrict__ x, u64 m, u64 k, float max_rcp, uint8_t* q_row, uint8_t* s_row,  \
         u64 s_row_cols, uint8_t* q_col, uint8_t* s_col, u64 s_col_rows, u64 s_col_cols,        \
         int two_d, int swizzled) {                                                             \
+        pdl_first();                                                                           \
         mxfp8_row_impl<T, E4M3>(x, m, k, max_rcp, q_row, s_row, s_row_cols, swizzled);         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : TQ_MINB_MXFP8) tessera_mxfp8_##SUFFIX##_##FMT( \
         const T* __restrict__ x, u64 m, u64 k, float max_rcp, uint8_t* q_row, uint8_t* s_row,  \
         u64 s_row_cols, uint8_t* q_col, uint8_t* s_col, u64 s_col_rows, u64 s_col_cols,        \
         int two_d, int swizzled) {                                                             \
+        pdl_first();                                                                           \
         mxfp8_impl<T, E4M3, false>(x, m, k, max_rcp, q_row, s_row, s_row_cols, q_col, s_col,   \
                                    s_col_rows, s_col_cols, swizzled);                          \
     }                                                                                          \
@@ -278,6 +280,7 @@ __device__ void mxfp8_impl(const T* __restrict__ x, u64 m, u64 k, float max_rcp,
         const T* __restrict__ x, u64 m, u64 k, float max_rcp, uint8_t* q_row, uint8_t* s_row,  \
         u64 s_row_cols, uint8_t* q_col, uint8_t* s_col, u64 s_col_rows, u64 s_col_cols,        \
         int two_d, int swizzled) {                                                             \
+        pdl_first();                                                                           \
         mxfp8_impl<T, E4M3, true>(x, m, k, max_rcp, q_row, s_row, s_row_cols, q_col, s_col,    \
                                   s_col_rows, s_col_cols, swizzled);                           \
     }
@@ -344,6 +347,7 @@ __device__ void mxfp8_dequant_impl(const uint8_t* __restrict__ q, const uint8_t*
     extern "C" __global__ void __launch_bounds__(256) tessera_mxfp8_dequant_##SUFFIX##_##FMT(  \
         const uint8_t* q, const uint8_t* s, T* y, u64 m, u64 k, u64 s_rows, u64 s_cols,        \
         int col, int swizzled) {                                                               \
+        pdl_first();                                                                           \
         mxfp8_dequant_impl<T, E4M3>(q, s, y, m, k, s_rows, s_cols, col, swizzled);              \
     }
 MXFP8_DEQUANT(f32, float, e4m3, true)

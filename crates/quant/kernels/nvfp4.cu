@@ -1201,17 +1201,20 @@ __device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t*
     extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_dequant_##SUFFIX(             \
         const uint8_t* q, const uint8_t* s, const float* amax, T* y, u64 m, u64 k, u64 s_cols,    \
         int swizzled) {                                                                           \
+        pdl_first();                                                                              \
         nvfp4_dequant_rows<T>(q, s, amax, y, m, k, s_cols, swizzled);                             \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 1 : NVFP4_DEQ_T_MINB)      \
         tessera_nvfp4_dequant_t_##SUFFIX(                                                         \
         const uint8_t* q, const uint8_t* s, const float* amax, T* y, u64 m, u64 k, u64 s_cols,    \
         int swizzled) {                                                                           \
+        pdl_first();                                                                              \
         nvfp4_dequant_cols<T, false>(q, s, amax, y, m, k, s_cols, swizzled);                      \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_dequant_t_rht_##SUFFIX(       \
         const uint8_t* q, const uint8_t* s, const float* amax, T* y, u64 m, u64 k, u64 s_cols,    \
         int swizzled) {                                                                           \
+        pdl_first();                                                                              \
         nvfp4_dequant_cols<T, true>(q, s, amax, y, m, k, s_cols, swizzled);                       \
     }
 NVFP4_DEQUANT(f32, float)

@@ -1,11 +1,11 @@
 //! FP8 block scaling on the device.
 
-use cudarc::driver::PushKernelArg;
 use tessera_core::{Result, Tensor};
 
 use super::{
-    BLOCK_PTX, FP8_DEQ_TILE_M, Outputs, arg_or_null, dequant_cols_grid, dequant_units_grid,
-    dequant_vals, device_of, dtype_suffix, format_suffix, launch, tile_grid,
+    BLOCK_PTX, FP8_DEQ_TILE_M, Order, Outputs, Params, dequant_cols_grid, dequant_units_grid,
+    dequant_vals, device_addr, device_addr_mut, device_of, dtype_suffix, format_suffix,
+    launch_params, tile_grid,
 };
 use crate::block::BlockScaling;
 use crate::values::check_input;
@@ -55,33 +55,35 @@ pub(crate) fn quantize_into(
         p.value_for_inf,
         i32::from(dim == BlockDim::TwoD),
     );
-    let null = 0u64;
     // An empty input has nothing to write: every buffer, the scale grids too, is empty
     // (block.rs `scale_shapes`), and a launch would still start one tile.
     if m > 0 && k > 0 {
-        let [qr, sr, qc, sc] = o.slices()?;
-        // SAFETY: (const T* x, u64 m, u64 k, float fp8_max, int pow2, float eps, float
-        // value_for_inf, int two_d, u8* q_row, float* s_row, u64 s_row_cols, u8* q_col,
-        // float* s_col, u64 s_col_cols): x is [m, k], q_row [m, k] bytes, q_col [k, m]
-        // bytes, the scale buffers their padded grids (f32), or null.
-        unsafe {
-            launch(&dev, &f, cfg, OP, |b| {
-                b.arg(x.cuda_slice().expect("device tensor"))
-                    .arg(&mu)
-                    .arg(&ku)
-                    .arg(&fp8_max)
-                    .arg(&pow2)
-                    .arg(&eps)
-                    .arg(&vfi)
-                    .arg(&two_d);
-                arg_or_null(b, qr, &null);
-                arg_or_null(b, sr, &null);
-                b.arg(&s_row_cols);
-                arg_or_null(b, qc, &null);
-                arg_or_null(b, sc, &null);
-                b.arg(&s_col_cols);
-            })
-        }?;
+        let launched = (|| -> Result<()> {
+            let [qr, sr, qc, sc] = o.addrs(&dev)?;
+            let xa = device_addr(&dev, x)?;
+            let mut params = Params::default();
+            params
+                .arg(&xa)
+                .arg(&mu)
+                .arg(&ku)
+                .arg(&fp8_max)
+                .arg(&pow2)
+                .arg(&eps)
+                .arg(&vfi)
+                .arg(&two_d);
+            params.arg(&qr).arg(&sr).arg(&s_row_cols);
+            params.arg(&qc).arg(&sc).arg(&s_col_cols);
+            // SAFETY: (const T* x, u64 m, u64 k, float fp8_max, int pow2, float eps, float
+            // value_for_inf, int two_d, u8* q_row, float* s_row, u64 s_row_cols, u8* q_col,
+            // float* s_col, u64 s_col_cols): x is [m, k], q_row [m, k] bytes, q_col [k, m]
+            // bytes, the scale buffers their padded grids (f32), or null (0); the kernels
+            // call pdl_first() before any memory access.
+            unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut params) }
+        })();
+        if let Err(e) = launched {
+            o.put_back(out);
+            return Err(e);
+        }
     }
     o.put_back(out);
     out.source_dtype = x.dtype();
@@ -124,19 +126,16 @@ pub(crate) fn dequantize(
     } else {
         dequant_units_grid((m * k).div_ceil(dequant_vals(dtype)))?
     };
-    let ys = y.cuda_slice_mut()?;
+    let (qa, sa, ya) = (
+        device_addr(&dev, q)?,
+        device_addr(&dev, s)?,
+        device_addr_mut(&dev, y)?,
+    );
+    let mut p = Params::default();
+    p.arg(&qa).arg(&sa).arg(&ya);
+    p.arg(&a[0]).arg(&a[1]).arg(&a[2]).arg(&mode);
     // SAFETY: (const u8* q, const float* s, T* y, u64 m, u64 k, u64 s_cols, int mode): q
-    // holds m*k bytes in its stored orientation, s its padded grid, y m*k elements.
-    unsafe {
-        launch(&dev, &f, cfg, OP, |b| {
-            b.arg(q.cuda_slice().expect("device tensor"))
-                .arg(s.cuda_slice().expect("device tensor"))
-                .arg(ys);
-            for v in &a {
-                b.arg(v);
-            }
-            b.arg(&mode);
-        })
-    }?;
-    Ok(())
+    // holds m*k bytes in its stored orientation, s its padded grid, y m*k elements; the
+    // kernel calls pdl_first() before any memory access.
+    unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut p) }
 }

@@ -195,18 +195,16 @@ pub(crate) fn dequantize(
     // Units of `v` elements, two a thread, and at least `v` threads for the last n % v.
     let v = dequant_vals(dtype);
     let cfg = dequant_units_grid(q.numel().div_ceil(v).max(v))?;
-    let ys = y.cuda_slice_mut()?;
+    let (qa, ya, sa) = (
+        device_addr(&dev, q)?,
+        device_addr_mut(&dev, y)?,
+        device_addr(&dev, scale_inv)?,
+    );
+    let mut p = Params::default();
+    p.arg(&qa).arg(&ya).arg(&n).arg(&sa);
     // SAFETY: (const u8* q, T* y, u64 n, const float* scale_inv): q n bytes, y n elements
-    // of T, scale_inv one float.
-    unsafe {
-        launch(&dev, &f, cfg, OP, |b| {
-            b.arg(q.cuda_slice().expect("device tensor"))
-                .arg(ys)
-                .arg(&n)
-                .arg(scale_inv.cuda_slice().expect("device tensor"));
-        })
-    }?;
-    Ok(())
+    // of T, scale_inv one float; the kernel calls pdl_first() before any memory access.
+    unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut p) }
 }
 
 /// Dequantizes the transposed columnwise FP8 data `qt` (`[k, m]` bytes) of an `[m, k]`
@@ -243,20 +241,17 @@ pub(crate) fn dequantize_transposed(
     let (mu, ku) = (m as u64, k as u64);
     // A CTA per 64x256 tile of the stored [k, m] (striding per element when m % 16 != 0).
     let cfg = dequant_cols_grid(m, k, FP8_DEQ_TILE_M)?;
-    let ys = y.cuda_slice_mut()?;
+    let (qa, ya, sa) = (
+        device_addr(&dev, qt)?,
+        device_addr_mut(&dev, y)?,
+        device_addr(&dev, scale_inv)?,
+    );
+    let mut p = Params::default();
+    p.arg(&qa).arg(&ya).arg(&mu).arg(&ku).arg(&sa);
     // SAFETY: (const u8* q, T* y, u64 m, u64 k, const float* scale_inv): q holds the
     // m*k bytes of the [k, m] transpose (checked above), y m*k elements of T, scale_inv
-    // one float.
-    unsafe {
-        launch(&dev, &f, cfg, OP, |b| {
-            b.arg(qt.cuda_slice().expect("device tensor"))
-                .arg(ys)
-                .arg(&mu)
-                .arg(&ku)
-                .arg(scale_inv.cuda_slice().expect("device tensor"));
-        })
-    }?;
-    Ok(())
+    // one float; the kernel calls pdl_first() before any memory access.
+    unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut p) }
 }
 
 /// A delayed-scaling state held on a device, in the buffers the casts and the update

@@ -1,11 +1,10 @@
 //! MXFP8 on the device.
 
-use cudarc::driver::PushKernelArg;
 use tessera_core::{Result, Tensor};
 
 use super::{
-    MXFP8_PTX, Outputs, arg_or_null, dequant_units_grid, dequant_vals, device_of, dtype_suffix,
-    format_suffix, launch, tile_grid,
+    MXFP8_PTX, Order, Outputs, Params, dequant_units_grid, dequant_vals, device_addr,
+    device_addr_mut, device_of, dtype_suffix, format_suffix, launch_params, tile_grid,
 };
 use crate::values::check_input;
 use crate::{Fp8Format, QuantizedTensor};
@@ -44,29 +43,28 @@ pub(crate) fn quantize_into(
     let (mu, ku) = (m as u64, k as u64);
     let (two_d, swz) = (i32::from(two_d), i32::from(swizzled));
     let max_rcp = format.max_rcp();
-    let null = 0u64;
     // An empty input has nothing to write: every buffer, the scale grids too, is empty
     // (mxfp8.rs `scale_shapes`), and a launch would still start one tile.
     if m > 0 && k > 0 {
-        let [qr, sr, qc, sc] = o.slices()?;
-        // SAFETY: (const T* x, u64 m, u64 k, float max_rcp, u8* q_row, u8* s_row, u64
-        // s_row_cols, u8* q_col, u8* s_col, u64 s_col_rows, u64 s_col_cols, int two_d, int
-        // swizzled): x is [m, k] with m, k multiples of 32 (checked by the quantizer), the
-        // data buffers [m, k] bytes, the scale buffers their padded grids, or null.
-        unsafe {
-            launch(&dev, &f, cfg, OP, |b| {
-                b.arg(x.cuda_slice().expect("device tensor"))
-                    .arg(&mu)
-                    .arg(&ku)
-                    .arg(&max_rcp);
-                arg_or_null(b, qr, &null);
-                arg_or_null(b, sr, &null);
-                b.arg(&s_row_cols);
-                arg_or_null(b, qc, &null);
-                arg_or_null(b, sc, &null);
-                b.arg(&s_col_rows).arg(&s_col_cols).arg(&two_d).arg(&swz);
-            })
-        }?;
+        let launched = (|| -> Result<()> {
+            let [qr, sr, qc, sc] = o.addrs(&dev)?;
+            let xa = device_addr(&dev, x)?;
+            let mut params = Params::default();
+            params.arg(&xa).arg(&mu).arg(&ku).arg(&max_rcp);
+            params.arg(&qr).arg(&sr).arg(&s_row_cols);
+            params.arg(&qc).arg(&sc).arg(&s_col_rows).arg(&s_col_cols);
+            params.arg(&two_d).arg(&swz);
+            // SAFETY: (const T* x, u64 m, u64 k, float max_rcp, u8* q_row, u8* s_row, u64
+            // s_row_cols, u8* q_col, u8* s_col, u64 s_col_rows, u64 s_col_cols, int two_d,
+            // int swizzled): x is [m, k] with m, k multiples of 32 (checked by the
+            // quantizer), the data buffers [m, k] bytes, the scale buffers their padded
+            // grids, or null (0); the kernels call pdl_first() before any memory access.
+            unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut params) }
+        })();
+        if let Err(e) = launched {
+            o.put_back(out);
+            return Err(e);
+        }
     }
     o.put_back(out);
     out.source_dtype = x.dtype();
@@ -103,19 +101,17 @@ pub(crate) fn dequantize(
     let (col, swz) = (i32::from(columnwise), i32::from(swizzled));
     // Units of 16 bytes of output, two a thread (k % 32 == 0: whole units).
     let cfg = dequant_units_grid(m * k / dequant_vals(dtype))?;
-    let ys = y.cuda_slice_mut()?;
+    let (qa, sa, ya) = (
+        device_addr(&dev, q)?,
+        device_addr(&dev, s)?,
+        device_addr_mut(&dev, y)?,
+    );
+    let mut p = Params::default();
+    p.arg(&qa).arg(&sa).arg(&ya);
+    p.arg(&a[0]).arg(&a[1]).arg(&a[2]).arg(&a[3]);
+    p.arg(&col).arg(&swz);
     // SAFETY: (const u8* q, const u8* s, T* y, u64 m, u64 k, u64 s_rows, u64 s_cols, int
-    // col, int swizzled): q [m, k], s its padded grid, y [m, k] of T.
-    unsafe {
-        launch(&dev, &f, cfg, OP, |b| {
-            b.arg(q.cuda_slice().expect("device tensor"))
-                .arg(s.cuda_slice().expect("device tensor"))
-                .arg(ys);
-            for v in &a {
-                b.arg(v);
-            }
-            b.arg(&col).arg(&swz);
-        })
-    }?;
-    Ok(())
+    // col, int swizzled): q [m, k], s its padded grid, y [m, k] of T; the kernel calls
+    // pdl_first() before any memory access.
+    unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut p) }
 }

@@ -9,8 +9,8 @@ use tessera_rng::Generator;
 
 use super::{
     BLOCK, NVFP4_DEQ_TILE_M, NVFP4_PTX, Order, Outputs, Params, banded_grid, dequant_cols_grid,
-    dequant_units_grid, dequant_vals, device_addr, device_of, dtype_suffix, launch, launch_params,
-    tile_grid,
+    dequant_units_grid, dequant_vals, device_addr, device_addr_mut, device_of, dtype_suffix,
+    launch, launch_params, tile_grid,
 };
 use crate::values::check_input;
 use crate::{AmaxReduction, BufferName, QuantizedTensor, Usage};
@@ -398,21 +398,18 @@ pub(crate) fn dequantize(
         dequant_units_grid(m * k / dequant_vals(dtype))?
     };
     let swizzled = i32::from(swizzled);
-    let ys = y.cuda_slice_mut()?;
+    let (qa, sa, aa, ya) = (
+        device_addr(&dev, q)?,
+        device_addr(&dev, s)?,
+        device_addr(&dev, a)?,
+        device_addr_mut(&dev, y)?,
+    );
+    let mut p = Params::default();
+    p.arg(&qa).arg(&sa).arg(&aa).arg(&ya);
+    p.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]).arg(&swizzled);
     // SAFETY: (const u8* q, const u8* s, const float* amax, T* y, u64 m, u64 k, u64
     // s_cols, int swizzled): q the packed data of the orientation, s its padded scale
-    // grid, amax one float, y [m, k] of T.
-    unsafe {
-        launch(&dev, &f, cfg, OP, |b| {
-            b.arg(q.cuda_slice().expect("device tensor"))
-                .arg(s.cuda_slice().expect("device tensor"))
-                .arg(a.cuda_slice().expect("device tensor"))
-                .arg(ys);
-            for d in &dims {
-                b.arg(d);
-            }
-            b.arg(&swizzled);
-        })
-    }?;
-    Ok(())
+    // grid, amax one float, y [m, k] of T; the kernel calls pdl_first() before any
+    // memory access.
+    unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut p) }
 }
