@@ -107,6 +107,8 @@ __device__ void cast_impl(const T* __restrict__ x, uint8_t* __restrict__ q, u64 
             }
         }
     };
+    // A given scale (delayed scaling) follows any kernel: nothing is read before it ends.
+    if (sa.amax == nullptr) pdl_first();
     load(tid);
     pdl_wait();  // the scale or amax comes from the kernel before
     const float scale = cast_scale(sa);
@@ -239,6 +241,8 @@ __device__ void cast_transpose_impl(const T* __restrict__ x, const CastTranspose
     __shared__ Transposed128<Tile128<T>::V> tr;
     __shared__ float warp_amax[8];
     const bool last_first = p.sa.amax != nullptr;  // after an amax pass (cta_order)
+    // A given scale (delayed scaling) follows any kernel: nothing is read before it ends.
+    if (!last_first) pdl_first();
     const u64 gy = (p.k + 127) / 128, m0 = tile_row(gy, last_first) * 128, k0 = tile_col(gy, last_first) * 128;
     if (full_tile<T>(p.m, p.k, m0, k0))
         cast_transpose_at<T, E4M3, true>(x, p, m0, k0, tr, warp_amax);
@@ -320,6 +324,7 @@ __device__ void delayed_update(const DelayedDesc& d) {
 // States b.d[0 .. n), n <= DELAYED_BULK; grid n CTAs.
 extern "C" __global__ void __launch_bounds__(256)
     tessera_fp8_delayed_update(const __grid_constant__ DelayedBulk b, uint32_t n) {
+    pdl_first();
     if (blockIdx.x < n) delayed_update(b.d[blockIdx.x]);
 }
 
@@ -373,6 +378,7 @@ DEQUANT(f16, __half, e5m2, false)
 extern "C" __global__ void __launch_bounds__(256)
     tessera_transpose_u8(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, u64 rows, u64 cols) {
     __shared__ uint8_t tile[64][64 + 4];
+    pdl_first();
     const u64 r0 = (u64)blockIdx.x * 64, c0 = (u64)blockIdx.y * 64;
     for (int idx = threadIdx.x; idx < 64 * 64; idx += blockDim.x) {
         const int r = idx / 64, c = idx % 64;
@@ -390,6 +396,7 @@ extern "C" __global__ void __launch_bounds__(256)
 extern "C" __global__ void __launch_bounds__(256)
     tessera_swap_first_dims(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, u64 d0,
                             u64 d1, u64 inner) {
+    pdl_first();
     const u64 n = d0 * d1 * inner;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 o = (u64)blockIdx.x * blockDim.x + threadIdx.x; o < n; o += stride) {
@@ -405,6 +412,7 @@ extern "C" __global__ void __launch_bounds__(256)
 extern "C" __global__ void __launch_bounds__(256)
     tessera_repad(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, u64 rows, u64 cols,
                   u64 src_cols, u64 dst_rows, u64 dst_cols) {
+    pdl_first();
     const u64 n = dst_rows * dst_cols;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 o = (u64)blockIdx.x * blockDim.x + threadIdx.x; o < n; o += stride) {

@@ -116,10 +116,11 @@ pub(crate) fn cast_into(
     let sfx = dtype_suffix(OP, x.dtype())?;
     let fmt = format_suffix(format);
     let usage = out.usage();
-    // Current scaling's cast follows its amax pass directly.
+    // Current scaling's cast follows its amax pass directly; with a given scale the
+    // kernels call pdl_first() before any memory access.
     let order = match scale {
         ScaleFrom::Amax { .. } => Order::OverlapAmaxPass,
-        ScaleFrom::Scale(_) => Order::AfterPrevious,
+        ScaleFrom::Scale(_) => Order::WaitFirst,
     };
     let sa = scale.arg(&dev, format)?;
     let amax = amax.map_or(Ok(0), |a| device_addr_mut(&dev, a))?;
@@ -452,8 +453,9 @@ pub(crate) fn update_all(updates: &mut [DelayedUpdate<'_>]) -> Result<()> {
         // SAFETY: (DelayedBulk b, u32 n), n CTAs: the first n descriptors address live
         // buffers of this device (checked before the loop): slot0, head and scale one element
         // each, ring at least ring_len floats (max(len - 1, 1) allocated), head below
-        // ring_len whenever ring_len > 0 (written 0, then advanced modulo it).
-        unsafe { launch_params(&dev, &f, cfg, OP, Order::AfterPrevious, &mut p) }?;
+        // ring_len whenever ring_len > 0 (written 0, then advanced modulo it); the kernel
+        // calls pdl_first() before any memory access.
+        unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut p) }?;
     }
     Ok(())
 }

@@ -1,11 +1,12 @@
 //! Layout helpers on CUDA tensors: byte transpose, `swap_first_dims`, and scale padding
 //! strip/restore — the device twins of [`crate::layout`].
 
-use cudarc::driver::PushKernelArg;
 use tessera_core::cuda::grid_1d;
 use tessera_core::{Error, Result, Shape, Tensor};
 
-use super::{BLOCK, FP8_PTX, device_of, launch, tiles_64};
+use super::{
+    BLOCK, FP8_PTX, Order, Params, device_addr, device_addr_mut, device_of, launch_params, tiles_64,
+};
 
 /// The transpose of a CUDA tensor viewed as a `[rows, cols]` matrix of elements, as a
 /// `[cols, rows]` tensor of the same dtype (1-byte dtypes).
@@ -25,15 +26,20 @@ pub fn transpose_bytes(t: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {
     let mut out = Tensor::empty([cols, rows], t.dtype(), t.device())?;
     let f = dev.function(&FP8_PTX, "tessera_transpose_u8")?;
     let (r, c) = (rows as u64, cols as u64);
-    let dst = out.cuda_slice_mut()?;
-    // SAFETY: (const u8* src, u8* dst, u64 rows, u64 cols): both rows*cols bytes.
+    let (src, dst) = (device_addr(&dev, t)?, device_addr_mut(&dev, &mut out)?);
+    let mut p = Params::default();
+    p.arg(&src).arg(&dst).arg(&r).arg(&c);
+    // SAFETY: (const u8* src, u8* dst, u64 rows, u64 cols): both rows*cols bytes; the
+    // kernel calls pdl_first() before any memory access.
     unsafe {
-        launch(&dev, &f, tiles_64(rows, cols)?, OP, |b| {
-            b.arg(t.cuda_slice().expect("device tensor"))
-                .arg(dst)
-                .arg(&r)
-                .arg(&c);
-        })
+        launch_params(
+            &dev,
+            &f,
+            tiles_64(rows, cols)?,
+            OP,
+            Order::WaitFirst,
+            &mut p,
+        )
     }?;
     Ok(out)
 }
@@ -63,17 +69,12 @@ pub fn swap_first_dims(t: &Tensor, world: usize) -> Result<Tensor> {
     let f = dev.function(&FP8_PTX, "tessera_swap_first_dims")?;
     let (a, bb) = (world as u64, rows as u64);
     let cfg = grid_1d(&dev, t.size_in_bytes(), BLOCK)?;
-    let dst = out.cuda_slice_mut()?;
-    // SAFETY: (const u8* src, u8* dst, u64 d0, u64 d1, u64 inner): both d0*d1*inner bytes.
-    unsafe {
-        launch(&dev, &f, cfg, OP, |b| {
-            b.arg(t.cuda_slice().expect("device tensor"))
-                .arg(dst)
-                .arg(&a)
-                .arg(&bb)
-                .arg(&inner);
-        })
-    }?;
+    let (src, dst) = (device_addr(&dev, t)?, device_addr_mut(&dev, &mut out)?);
+    let mut p = Params::default();
+    p.arg(&src).arg(&dst).arg(&a).arg(&bb).arg(&inner);
+    // SAFETY: (const u8* src, u8* dst, u64 d0, u64 d1, u64 inner): both d0*d1*inner
+    // bytes; the kernel calls pdl_first() before any memory access.
+    unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut p) }?;
     Ok(out)
 }
 
@@ -111,17 +112,15 @@ pub fn repad(
         (out_cols * elem) as u64,
     ];
     let cfg = grid_1d(&dev, out.size_in_bytes(), BLOCK)?;
-    let dst = out.cuda_slice_mut()?;
+    let (src, dst) = (device_addr(&dev, t)?, device_addr_mut(&dev, &mut out)?);
+    let mut p = Params::default();
+    p.arg(&src).arg(&dst);
+    for a in &args {
+        p.arg(a);
+    }
     // SAFETY: (const u8* src, u8* dst, u64 rows, u64 cols, u64 src_cols, u64 dst_rows,
     // u64 dst_cols) in bytes; src holds rows*src_cols bytes (checked above), dst
-    // dst_rows*dst_cols.
-    unsafe {
-        launch(&dev, &f, cfg, OP, |b| {
-            b.arg(t.cuda_slice().expect("device tensor")).arg(dst);
-            for a in &args {
-                b.arg(a);
-            }
-        })
-    }?;
+    // dst_rows*dst_cols; the kernel calls pdl_first() before any memory access.
+    unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut p) }?;
     Ok(out)
 }

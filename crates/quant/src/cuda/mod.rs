@@ -15,7 +15,8 @@
 //! (`dequant_units_grid`), a CTA per shared-memory tile for transposed columnwise data
 //! (`dequant_cols_grid`).
 //!
-//! The one-pass kernels (MXFP8 and FP8 block quantization, every dequantizer) are
+//! The one-pass kernels (MXFP8 and FP8 block quantization, the FP8 casts with a given
+//! scale and the delayed-scaling update, every dequantizer, the layout helpers) are
 //! programmatic dependent launches too (`Order::WaitFirst`): they let the next such
 //! launch take the SM slots their CTAs free, and they touch memory only after the kernel
 //! before them has finished. A run of them (the quantization of several tensors, a
@@ -206,8 +207,8 @@ pub(crate) enum Order {
     /// become resident once every CTA of the kernel before has started (if that kernel
     /// lets dependents launch, as these do) or exited, and wait there until it has
     /// finished and its writes are visible. This hides the launch and the CTAs' start
-    /// behind the tail of the kernel before: on an H100, bf16 4096x4096 quantizations
-    /// and dequantizations back to back took 5-8% less time each (BENCHMARKS.md).
+    /// behind the tail of the kernel before: on an H200, bf16 4096x4096 quantizations
+    /// and dequantizations back to back took 4-12% less time each (BENCHMARKS.md).
     WaitFirst,
 }
 
