@@ -3,8 +3,8 @@
 use tessera_core::{Result, Tensor};
 
 use super::{
-    BLOCK_PTX, FP8_DEQ_TILE_M, Order, Outputs, Params, dequant_cols_grid, dequant_units_grid,
-    dequant_vals, device_addr, device_addr_mut, device_of, dtype_suffix, format_suffix,
+    BLOCK_PTX, FP8_DEQ_TILE_M, Order, Outputs, Params, dequant_addrs, dequant_cols_grid,
+    dequant_units_grid, dequant_vals, device_addr, device_of, dtype_suffix, format_suffix,
     launch_params, tile_grid,
 };
 use crate::block::BlockScaling;
@@ -126,11 +126,7 @@ pub(crate) fn dequantize(
     } else {
         dequant_units_grid((m * k).div_ceil(dequant_vals(dtype)))?
     };
-    let (qa, sa, ya) = (
-        device_addr(&dev, q)?,
-        device_addr(&dev, s)?,
-        device_addr_mut(&dev, y)?,
-    );
+    let [qa, sa, ya] = dequant_addrs(&dev, q, s, y)?;
     let mut p = Params::default();
     p.arg(&qa).arg(&sa).arg(&ya);
     p.arg(&a[0]).arg(&a[1]).arg(&a[2]).arg(&mode);

@@ -416,6 +416,21 @@ pub(crate) fn device_addr(dev: &CudaDevice, t: &Tensor) -> Result<u64> {
     Ok(p)
 }
 
+/// The device addresses of a dequantizer's operands: the stored data `q`, its scale grid
+/// `s` and the output `y`.
+pub(crate) fn dequant_addrs(
+    dev: &CudaDevice,
+    q: &Tensor,
+    s: &Tensor,
+    y: &mut Tensor,
+) -> Result<[u64; 3]> {
+    Ok([
+        device_addr(dev, q)?,
+        device_addr(dev, s)?,
+        device_addr_mut(dev, y)?,
+    ])
+}
+
 /// The device address of a CUDA tensor's storage that a kernel will write, passed inside
 /// a by-value struct. A storage shared with another tensor (a clone) is copied first, so
 /// the write reaches this tensor alone.

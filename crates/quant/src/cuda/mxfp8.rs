@@ -3,8 +3,8 @@
 use tessera_core::{Result, Tensor};
 
 use super::{
-    MXFP8_PTX, Order, Outputs, Params, dequant_units_grid, dequant_vals, device_addr,
-    device_addr_mut, device_of, dtype_suffix, format_suffix, launch_params, tile_grid,
+    MXFP8_PTX, Order, Outputs, Params, dequant_addrs, dequant_units_grid, dequant_vals,
+    device_addr, device_of, dtype_suffix, format_suffix, launch_params, tile_grid,
 };
 use crate::values::check_input;
 use crate::{Fp8Format, QuantizedTensor};
@@ -101,11 +101,7 @@ pub(crate) fn dequantize(
     let (col, swz) = (i32::from(columnwise), i32::from(swizzled));
     // Units of 16 bytes of output, two a thread (k % 32 == 0: whole units).
     let cfg = dequant_units_grid(m * k / dequant_vals(dtype))?;
-    let (qa, sa, ya) = (
-        device_addr(&dev, q)?,
-        device_addr(&dev, s)?,
-        device_addr_mut(&dev, y)?,
-    );
+    let [qa, sa, ya] = dequant_addrs(&dev, q, s, y)?;
     let mut p = Params::default();
     p.arg(&qa).arg(&sa).arg(&ya);
     p.arg(&a[0]).arg(&a[1]).arg(&a[2]).arg(&a[3]);

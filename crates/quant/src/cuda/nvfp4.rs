@@ -8,8 +8,8 @@ use tessera_core::{DType, Error, Result, Tensor};
 use tessera_rng::Generator;
 
 use super::{
-    BLOCK, NVFP4_DEQ_TILE_M, NVFP4_PTX, Order, Outputs, Params, banded_grid, dequant_cols_grid,
-    dequant_units_grid, dequant_vals, device_addr, device_addr_mut, device_of, dtype_suffix,
+    BLOCK, NVFP4_DEQ_TILE_M, NVFP4_PTX, Order, Outputs, Params, banded_grid, dequant_addrs,
+    dequant_cols_grid, dequant_units_grid, dequant_vals, device_addr, device_of, dtype_suffix,
     launch, launch_params, tile_grid,
 };
 use crate::values::check_input;
@@ -398,12 +398,8 @@ pub(crate) fn dequantize(
         dequant_units_grid(m * k / dequant_vals(dtype))?
     };
     let swizzled = i32::from(swizzled);
-    let (qa, sa, aa, ya) = (
-        device_addr(&dev, q)?,
-        device_addr(&dev, s)?,
-        device_addr(&dev, a)?,
-        device_addr_mut(&dev, y)?,
-    );
+    let [qa, sa, ya] = dequant_addrs(&dev, q, s, y)?;
+    let aa = device_addr(&dev, a)?;
     let mut p = Params::default();
     p.arg(&qa).arg(&sa).arg(&aa).arg(&ya);
     p.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]).arg(&swizzled);
