@@ -30,6 +30,12 @@
 //! snapshot of a device-held state is a copy on the device, so checkpoint frames never
 //! wait for it.
 //!
+//! The kernels are programmatic dependent launches (sm_90): a quantization that follows
+//! another kernel on the device's stream starts its CTAs while that kernel finishes and
+//! touches memory only after it has. A kernel of your own that you launch after tessera's
+//! with programmatic stream serialization must wait (`cudaGridDependencySynchronize`)
+//! before it reads tessera's outputs, as any such kernel must.
+//!
 //! The CPU reference is built from small public functions per step (casts in [`cast`],
 //! amax and scales in [`scale`], layouts in [`layout`], and each format's block
 //! quantizers), so the CUDA kernels can be checked against them one by one.
