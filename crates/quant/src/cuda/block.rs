@@ -55,37 +55,36 @@ pub(crate) fn quantize_into(
         p.value_for_inf,
         i32::from(dim == BlockDim::TwoD),
     );
-    // An empty input has nothing to write: every buffer, the scale grids too, is empty
-    // (block.rs `scale_shapes`), and a launch would still start one tile.
-    if m > 0 && k > 0 {
-        let launched = (|| -> Result<()> {
-            let [qr, sr, qc, sc] = o.addrs(&dev)?;
-            let xa = device_addr(&dev, x)?;
-            let mut params = Params::default();
-            params
-                .arg(&xa)
-                .arg(&mu)
-                .arg(&ku)
-                .arg(&fp8_max)
-                .arg(&pow2)
-                .arg(&eps)
-                .arg(&vfi)
-                .arg(&two_d);
-            params.arg(&qr).arg(&sr).arg(&s_row_cols);
-            params.arg(&qc).arg(&sc).arg(&s_col_cols);
-            // SAFETY: (const T* x, u64 m, u64 k, float fp8_max, int pow2, float eps, float
-            // value_for_inf, int two_d, u8* q_row, float* s_row, u64 s_row_cols, u8* q_col,
-            // float* s_col, u64 s_col_cols): x is [m, k], q_row [m, k] bytes, q_col [k, m]
-            // bytes, the scale buffers their padded grids (f32), or null (0); the kernels
-            // call pdl_first() before any memory access.
-            unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut params) }
-        })();
-        if let Err(e) = launched {
-            o.put_back(out);
-            return Err(e);
+    // The launch, with every buffer of `out` put back whatever it returns.
+    let launched = (|| -> Result<()> {
+        // An empty input has nothing to write: every buffer, the scale grids too, is
+        // empty (block.rs `scale_shapes`), and a launch would still start one tile.
+        if m == 0 || k == 0 {
+            return Ok(());
         }
-    }
+        let [qr, sr, qc, sc] = o.addrs(&dev)?;
+        let xa = device_addr(&dev, x)?;
+        let mut params = Params::default();
+        params
+            .arg(&xa)
+            .arg(&mu)
+            .arg(&ku)
+            .arg(&fp8_max)
+            .arg(&pow2)
+            .arg(&eps)
+            .arg(&vfi)
+            .arg(&two_d);
+        params.arg(&qr).arg(&sr).arg(&s_row_cols);
+        params.arg(&qc).arg(&sc).arg(&s_col_cols);
+        // SAFETY: (const T* x, u64 m, u64 k, float fp8_max, int pow2, float eps, float
+        // value_for_inf, int two_d, u8* q_row, float* s_row, u64 s_row_cols, u8* q_col,
+        // float* s_col, u64 s_col_cols): x is [m, k], q_row [m, k] bytes, q_col [k, m]
+        // bytes, the scale buffers their padded grids (f32), or null (0); the kernels
+        // call pdl_first() before any memory access.
+        unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut params) }
+    })();
     o.put_back(out);
+    launched?;
     out.source_dtype = x.dtype();
     Ok(())
 }

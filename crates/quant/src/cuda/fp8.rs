@@ -5,9 +5,9 @@ use tessera_core::cuda::{CudaDevice, CudaResultExt, grid_1d};
 use tessera_core::{DType, Device, Error, Result, Tensor};
 
 use super::{
-    BLOCK, FP8_DEQ_TILE_M, FP8_PTX, Order, Params, dequant_cols_grid, dequant_units_grid,
-    dequant_vals, device_addr, device_addr_mut, device_of, dtype_suffix, format_suffix, launch,
-    launch_params, scalar_target, tile_grid,
+    BLOCK, FP8_DEQ_TILE_M, FP8_PTX, Order, Params, dequant_addrs, dequant_cols_grid,
+    dequant_units_grid, dequant_vals, device_addr, device_addr_mut, device_of, dtype_suffix,
+    format_suffix, launch, launch_params, scalar_target, tile_grid,
 };
 use crate::values::check_input;
 use crate::{AmaxComputeAlgo, BufferName, DelayedScalingState, Fp8Format, QuantizedTensor};
@@ -196,11 +196,7 @@ pub(crate) fn dequantize(
     // Units of `v` elements, two a thread, and at least `v` threads for the last n % v.
     let v = dequant_vals(dtype);
     let cfg = dequant_units_grid(q.numel().div_ceil(v).max(v))?;
-    let (qa, ya, sa) = (
-        device_addr(&dev, q)?,
-        device_addr_mut(&dev, y)?,
-        device_addr(&dev, scale_inv)?,
-    );
+    let [qa, sa, ya] = dequant_addrs(&dev, q, scale_inv, y)?;
     let mut p = Params::default();
     p.arg(&qa).arg(&ya).arg(&n).arg(&sa);
     // SAFETY: (const u8* q, T* y, u64 n, const float* scale_inv): q n bytes, y n elements
@@ -242,11 +238,7 @@ pub(crate) fn dequantize_transposed(
     let (mu, ku) = (m as u64, k as u64);
     // A CTA per 64x256 tile of the stored [k, m] (striding per element when m % 16 != 0).
     let cfg = dequant_cols_grid(m, k, FP8_DEQ_TILE_M)?;
-    let (qa, ya, sa) = (
-        device_addr(&dev, qt)?,
-        device_addr_mut(&dev, y)?,
-        device_addr(&dev, scale_inv)?,
-    );
+    let [qa, sa, ya] = dequant_addrs(&dev, qt, scale_inv, y)?;
     let mut p = Params::default();
     p.arg(&qa).arg(&ya).arg(&mu).arg(&ku).arg(&sa);
     // SAFETY: (const u8* q, T* y, u64 m, u64 k, const float* scale_inv): q holds the

@@ -26,21 +26,13 @@ pub fn transpose_bytes(t: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {
     let mut out = Tensor::empty([cols, rows], t.dtype(), t.device())?;
     let f = dev.function(&FP8_PTX, "tessera_transpose_u8")?;
     let (r, c) = (rows as u64, cols as u64);
+    let cfg = tiles_64(rows, cols)?;
     let (src, dst) = (device_addr(&dev, t)?, device_addr_mut(&dev, &mut out)?);
     let mut p = Params::default();
     p.arg(&src).arg(&dst).arg(&r).arg(&c);
     // SAFETY: (const u8* src, u8* dst, u64 rows, u64 cols): both rows*cols bytes; the
     // kernel calls pdl_first() before any memory access.
-    unsafe {
-        launch_params(
-            &dev,
-            &f,
-            tiles_64(rows, cols)?,
-            OP,
-            Order::WaitFirst,
-            &mut p,
-        )
-    }?;
+    unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut p) }?;
     Ok(out)
 }
 

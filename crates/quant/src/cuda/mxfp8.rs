@@ -43,30 +43,29 @@ pub(crate) fn quantize_into(
     let (mu, ku) = (m as u64, k as u64);
     let (two_d, swz) = (i32::from(two_d), i32::from(swizzled));
     let max_rcp = format.max_rcp();
-    // An empty input has nothing to write: every buffer, the scale grids too, is empty
-    // (mxfp8.rs `scale_shapes`), and a launch would still start one tile.
-    if m > 0 && k > 0 {
-        let launched = (|| -> Result<()> {
-            let [qr, sr, qc, sc] = o.addrs(&dev)?;
-            let xa = device_addr(&dev, x)?;
-            let mut params = Params::default();
-            params.arg(&xa).arg(&mu).arg(&ku).arg(&max_rcp);
-            params.arg(&qr).arg(&sr).arg(&s_row_cols);
-            params.arg(&qc).arg(&sc).arg(&s_col_rows).arg(&s_col_cols);
-            params.arg(&two_d).arg(&swz);
-            // SAFETY: (const T* x, u64 m, u64 k, float max_rcp, u8* q_row, u8* s_row, u64
-            // s_row_cols, u8* q_col, u8* s_col, u64 s_col_rows, u64 s_col_cols, int two_d,
-            // int swizzled): x is [m, k] with m, k multiples of 32 (checked by the
-            // quantizer), the data buffers [m, k] bytes, the scale buffers their padded
-            // grids, or null (0); the kernels call pdl_first() before any memory access.
-            unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut params) }
-        })();
-        if let Err(e) = launched {
-            o.put_back(out);
-            return Err(e);
+    // The launch, with every buffer of `out` put back whatever it returns.
+    let launched = (|| -> Result<()> {
+        // An empty input has nothing to write: every buffer, the scale grids too, is
+        // empty (mxfp8.rs `scale_shapes`), and a launch would still start one tile.
+        if m == 0 || k == 0 {
+            return Ok(());
         }
-    }
+        let [qr, sr, qc, sc] = o.addrs(&dev)?;
+        let xa = device_addr(&dev, x)?;
+        let mut params = Params::default();
+        params.arg(&xa).arg(&mu).arg(&ku).arg(&max_rcp);
+        params.arg(&qr).arg(&sr).arg(&s_row_cols);
+        params.arg(&qc).arg(&sc).arg(&s_col_rows).arg(&s_col_cols);
+        params.arg(&two_d).arg(&swz);
+        // SAFETY: (const T* x, u64 m, u64 k, float max_rcp, u8* q_row, u8* s_row, u64
+        // s_row_cols, u8* q_col, u8* s_col, u64 s_col_rows, u64 s_col_cols, int two_d,
+        // int swizzled): x is [m, k] with m, k multiples of 32 (checked by the
+        // quantizer), the data buffers [m, k] bytes, the scale buffers their padded
+        // grids, or null (0); the kernels call pdl_first() before any memory access.
+        unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut params) }
+    })();
     o.put_back(out);
+    launched?;
     out.source_dtype = x.dtype();
     Ok(())
 }
