@@ -89,6 +89,18 @@ __device__ __forceinline__ void pdl_first() {
     pdl_wait();
 }
 
+// The start of an amax pass, launched after any kernel like a one-pass kernel but
+// followed by a second pass that reads its input before its own pdl_wait() (the host's
+// `Order::OverlapAmaxPass`). That second pass may start once every CTA of this pass has
+// called pdl_launch_dependents(), so the call must come after the wait: then every
+// kernel before this pass, the one that wrote the input included, has finished when the
+// second pass starts reading. (pdl_first()'s order would let it read an input that the
+// kernel two launches back still writes.)
+__device__ __forceinline__ void pdl_amax_first() {
+    pdl_wait();
+    pdl_launch_dependents();
+}
+
 // ---- input element types -------------------------------------------------------------
 
 template <class T> struct In;

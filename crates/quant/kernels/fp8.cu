@@ -5,7 +5,22 @@
 
 // ---- amax ----------------------------------------------------------------------------
 
-// out[0] = max(out[0], NaN-ignoring max |x|); out must start at 0 (or a previous amax).
+// Zeroes the amax scalars a[0] and, unless b is null, b[0]: the start of every amax pass,
+// launched after any kernel (`Order::WaitFirst`) so that the pass after it launches early
+// too. A memset in its place would end the chain of programmatic launches: the amax pass
+// after a memset starts only once the memset is done, and the kernel before the memset
+// runs to its end before the memset starts.
+extern "C" __global__ void __launch_bounds__(32) tessera_clear_amaxes(float* a, float* b) {
+    pdl_first();
+    if (threadIdx.x == 0) {
+        *a = 0.0f;
+        if (b != nullptr) *b = 0.0f;
+    }
+}
+
+// out[0] = max(out[0], NaN-ignoring max |x|); out must start at 0 (or a previous amax),
+// which the kernel before wrote (tessera_clear_amaxes): the pass reads nothing before
+// pdl_amax_first.
 // Grid-stride over 16-byte vectors, AMAX_UNROLL independent loads in flight per thread
 // before any is reduced (packed maxima for 2-byte types, amax_of): the pass is a pure
 // read, and every two-pass quantizer (current scaling, NVFP4) pays for it.
@@ -15,7 +30,7 @@
 template <class T>
 __device__ void amax_impl(const T* __restrict__ x, u64 n, float* out) {
     __shared__ float smem[32];
-    pdl_launch_dependents();  // the second pass may take the slots this pass frees
+    pdl_amax_first();  // then the second pass may take the slots this pass frees
     constexpr int V = 16 / sizeof(T), U = AMAX_UNROLL;
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     float m = 0.0f;

@@ -217,13 +217,14 @@ template <class T> __device__ __forceinline__ uint32_t habs2w(uint32_t a) {
 
 // Both global amaxes of an RHT quantization in one read: NaN-ignoring max |x| into
 // row[0] and max |RHT(x^T)| (the transformed columnwise operand) into col[0], both
-// starting at 0. Thread per (group of RHT_AMAX_COLS<T> columns, run of 16 rows); 2-byte
-// types read 8 columns as one 16-byte vector per row (k is a multiple of 16).
+// starting at 0 (the kernel before, tessera_clear_amaxes in fp8.cu, cleared them). Thread
+// per (group of RHT_AMAX_COLS<T> columns, run of 16 rows); 2-byte types read 8 columns as
+// one 16-byte vector per row (k is a multiple of 16).
 template <class T> constexpr int RHT_AMAX_COLS = sizeof(T) == 2 ? 8 : 1;
 template <class T>
 __device__ void rht_amax_impl(const T* __restrict__ x, u64 m, u64 k, float* row, float* col) {
     __shared__ float smem[32];
-    pdl_launch_dependents();  // the second pass may take the slots this pass frees
+    pdl_amax_first();  // then the second pass may take the slots this pass frees
     constexpr int C = RHT_AMAX_COLS<T>;
     const u64 groups = k / C, runs = (m / 16) * groups;
     float mx = 0.0f, mr = 0.0f;

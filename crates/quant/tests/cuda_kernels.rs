@@ -1286,6 +1286,61 @@ fn two_pass_quantizers_see_the_amax_and_input_written_just_before() {
     }
 }
 
+/// The same when the input comes from an early-launched kernel: a dequantization
+/// (`Order::WaitFirst`, which lets the next launch start at once) writes the input, then
+/// the clear, amax and second passes follow it as programmatic launches. The second pass
+/// reads its tile before its own wait, so it must not start before the dequantization
+/// has finished: a tile read early shows as bytes of the round before (whose values are
+/// 2^9 times larger or smaller).
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn two_pass_quantizers_see_an_input_an_early_launch_wrote() {
+    require_gpu();
+    let shape = [4096, 4096];
+    let mut y = Tensor::zeros(shape, DType::BF16, GPU).unwrap();
+    let mut fill = Generator::new(8200);
+    let mut mxfp8 = Mxfp8Quantizer::new(Fp8Format::E4M3).with_usage(Usage::Rowwise);
+    let mut q = mxfp8.make_empty(y.shape(), y.dtype(), GPU).unwrap();
+    for dtype in [DType::BF16, DType::F32] {
+        let mut x = Tensor::zeros(shape, dtype, GPU).unwrap();
+        let mut quantizers: Vec<(&str, Box<dyn Quantizer>)> = vec![
+            (
+                "fp8 current scaling",
+                Box::new(Fp8CurrentScaling::new(Fp8Format::E4M3).with_usage(Usage::Both)),
+            ),
+            (
+                "nvfp4",
+                Box::new(Nvfp4Quantizer::new().with_usage(Usage::Both)),
+            ),
+            (
+                "nvfp4 rht",
+                Box::new(Nvfp4Quantizer::new().with_rht(true).with_usage(Usage::Both)),
+            ),
+        ];
+        // Allocated before the launches, so that no allocation stands between them.
+        let mut outs: Vec<QuantizedTensor> = quantizers
+            .iter()
+            .map(|(_, quantizer)| quantizer.make_empty(x.shape(), x.dtype(), GPU).unwrap())
+            .collect();
+        for round in 0..6 {
+            let std = 2f32.powi(9 * (round % 3) - 9);
+            fill.fill_normal_tensor(&mut y, 0.0, std).unwrap();
+            mxfp8.quantize_into(&y, &mut q).unwrap();
+            let mut host = None;
+            for ((name, quantizer), out) in quantizers.iter_mut().zip(&mut outs) {
+                q.dequantize_into(Usage::Rowwise, &mut x).unwrap();
+                quantizer.quantize_into(&x, out).unwrap();
+                let host = host.get_or_insert_with(|| x.to_device(Device::Cpu).unwrap());
+                assert_same(
+                    out,
+                    &quantizer.quantize(host).unwrap(),
+                    &format!("{name} of {dtype}, round {round}"),
+                );
+            }
+        }
+    }
+}
+
 /// Every two-pass quantization starts its global amax from zero. Calls whose inputs
 /// shrink by 2^10 each time, and all-zero inputs, on amax grids of one CTA to thousands
 /// (every input dtype; the plain and the RHT amax passes), each match the CPU: a

@@ -1,13 +1,13 @@
 //! Per-tensor FP8 on the device.
 
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DeviceRepr, LaunchConfig};
 use tessera_core::cuda::{CudaDevice, CudaResultExt, grid_1d};
 use tessera_core::{DType, Device, Error, Result, Tensor};
 
 use super::{
-    BLOCK, FP8_DEQ_TILE_M, FP8_PTX, Order, Params, dequant_addrs, dequant_cols_grid,
-    dequant_units_grid, dequant_vals, device_addr, device_addr_mut, device_of, dtype_suffix,
-    format_suffix, launch, launch_params, scalar_target, tile_grid,
+    BLOCK, FP8_DEQ_TILE_M, FP8_PTX, Order, Params, amax_target, clear_amaxes, dequant_addrs,
+    dequant_cols_grid, dequant_units_grid, dequant_vals, device_addr, device_addr_mut, device_of,
+    dtype_suffix, format_suffix, launch_params, tile_grid,
 };
 use crate::values::check_input;
 use crate::{AmaxComputeAlgo, BufferName, DelayedScalingState, Fp8Format, QuantizedTensor};
@@ -25,26 +25,27 @@ pub(crate) fn amax(x: &Tensor) -> Result<Tensor> {
 }
 
 /// NaN-ignoring `max |x|` of a CUDA tensor into `out`, a device `f32 [1]` on `x`'s
-/// device, which is cleared first (the pass accumulates with atomic maxima).
+/// device, which is cleared first (the pass accumulates with atomic maxima). Both
+/// launches are programmatic (`Order::WaitFirst`), so the quantizing pass after them
+/// can launch early too.
 pub(crate) fn amax_into(x: &Tensor, out: &mut Tensor) -> Result<()> {
     const OP: &str = "cuda amax";
     let dev = device_of(x)?;
-    let dst = scalar_target(OP, &dev, x, out)?;
-    let n = x.numel() as u64;
+    let dst = amax_target(OP, &dev, x, out)?;
     let f = dev.function(
         &FP8_PTX,
         &format!("tessera_amax_{}", dtype_suffix(OP, x.dtype())?),
     )?;
+    let (src, n) = (device_addr(&dev, x)?, x.numel() as u64);
     let per = 16 / x.dtype().size_in_bytes();
     let cfg = grid_1d(&dev, x.numel().div_ceil(per), BLOCK)?;
+    clear_amaxes(&dev, OP, dst, 0)?;
+    let mut p = Params::default();
+    p.arg(&src).arg(&n).arg(&dst);
     // SAFETY: tessera_amax_T(const T* x, u64 n, float* out): x holds n elements of T
-    // (dtype-checked by the kernel name), out one zeroed float.
-    unsafe {
-        launch(&dev, &f, cfg, OP, |b| {
-            b.arg(x.cuda_slice().expect("checked")).arg(&n).arg(dst);
-        })
-    }?;
-    Ok(())
+    // (dtype-checked by the kernel name), out one float, zeroed by the launch before;
+    // the kernel touches memory only after its pdl_first().
+    unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut p) }
 }
 
 /// Where a cast takes its scale from: a device `f32 [1]` (delayed scaling, or a scale

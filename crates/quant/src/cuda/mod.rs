@@ -7,8 +7,13 @@
 //! two) and takes its tiles last first, so that it starts on the lines the amax pass
 //! read last and L2 still holds (`cta_order` in kernels/common.cuh). The second pass is
 //! a programmatic dependent launch (`Order::OverlapAmaxPass`): its CTAs load their tiles
-//! while the amax pass finishes. An amax reduction across ranks is the one step that
-//! reads the amax back to the host (and then the second pass launches the ordinary way).
+//! while the amax pass finishes. The amax pass itself, and the one-thread kernel that
+//! clears its scalar first (`tessera_clear_amaxes`), are programmatic launches too
+//! (`Order::WaitFirst`), so nothing in the chain waits for the GPU to drain; the amax
+//! pass lets its second pass launch only after its own wait (`pdl_amax_first` in
+//! kernels/common.cuh), so the input is complete when the second pass reads it early.
+//! An amax reduction across ranks is the one step that reads the amax back to the host
+//! (and then the second pass launches the ordinary way).
 //!
 //! Dequantizers are one launch each, sized to their work rather than striding: a thread
 //! per two 16-byte units of output for data in the output's order
@@ -32,7 +37,7 @@ pub(crate) mod nvfp4;
 use std::ffi::c_void;
 use std::marker::PhantomData;
 
-use cudarc::driver::{CudaFunction, DeviceRepr, LaunchArgs, LaunchConfig};
+use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 use tessera_core::cuda::{CudaDevice, CudaResultExt};
 use tessera_core::kernels::PtxModule;
 use tessera_core::{DType, Error, Result, Tensor};
@@ -152,26 +157,6 @@ pub(crate) fn tiles_64(rows: usize, cols: usize) -> Result<LaunchConfig> {
     })
 }
 
-/// Launches `f` with the arguments pushed by `args`.
-///
-/// # Safety
-/// `args` must push exactly the kernel's parameters, in order and with the right types,
-/// and every pointer must address device memory large enough for what the kernel
-/// touches under `cfg`.
-pub(crate) unsafe fn launch<'a>(
-    dev: &'a CudaDevice,
-    f: &'a CudaFunction,
-    cfg: LaunchConfig,
-    op: &'static str,
-    args: impl FnOnce(&mut LaunchArgs<'a>),
-) -> Result<()> {
-    let mut b = dev.stream().launch_builder(f);
-    args(&mut b);
-    // SAFETY: the caller guarantees the arguments match the kernel and its bounds.
-    unsafe { b.launch(cfg) }.cuda_op(op)?;
-    Ok(())
-}
-
 /// The parameters of a [`launch_params`] launch, in order: the address of each value
 /// (a device pointer is passed as its `u64` address), borrowed until the launch returns
 /// (the driver copies the values at launch).
@@ -196,7 +181,8 @@ pub(crate) enum Order {
     AfterPrevious,
     /// The second pass of a two-pass quantizer right after its amax pass: a programmatic
     /// dependent launch (sm_90). Its CTAs may start while the amax pass's last CTAs
-    /// still run (that pass lets them: `pdl_launch_dependents` in kernels/common.cuh),
+    /// still run (that pass lets them, after its own wait: `pdl_amax_first` in
+    /// kernels/common.cuh),
     /// load their tiles, and wait for the amax in `pdl_wait()` (which keeps the loads
     /// ahead of the wait in the SASS too, see common.cuh). This hides the launch gap
     /// and the amax pass's tail: on an H200, bf16 4096x4096 FP8 current scaling (both)
@@ -215,11 +201,14 @@ pub(crate) enum Order {
 /// Launches `f` with `params`, ordered by `order`.
 ///
 /// # Safety
-/// As [`launch`], for the parameters in `params`. With [`Order::OverlapAmaxPass`], the
-/// last kernel launched on the device's stream must also be an amax pass that only
-/// reads the input, and `f` must read nothing but that input before its `pdl_wait()`
-/// and write nothing before it. With [`Order::WaitFirst`], `f` must access no memory
-/// before its `pdl_first()`.
+/// `params` must hold exactly the kernel's parameters, in order and with the right
+/// types, and every pointer must address device memory large enough for what the kernel
+/// touches under `cfg`. With [`Order::OverlapAmaxPass`], the last kernel launched on
+/// the device's stream must also be an amax pass that only reads the input and lets
+/// dependents launch only after its own wait (`pdl_amax_first()`), and `f` must read
+/// nothing but that input before its `pdl_wait()` and write nothing before it. With
+/// [`Order::WaitFirst`], `f` must access no memory before its `pdl_first()` (or
+/// `pdl_amax_first()`).
 pub(crate) unsafe fn launch_params(
     dev: &CudaDevice,
     f: &CudaFunction,
@@ -440,14 +429,14 @@ pub(crate) fn device_addr_mut(dev: &CudaDevice, t: &mut Tensor) -> Result<u64> {
     Ok(p)
 }
 
-/// `out`'s device slice, zeroed on the stream, once `out` is checked to be an `f32 [1]`
-/// on `x`'s device (a global amax a kernel accumulates into).
-pub(crate) fn scalar_target<'a>(
+/// The device address of `out`, a global amax a kernel accumulates into, once `out` is
+/// checked to be an `f32 [1]` on `x`'s device. [`clear_amaxes`] zeroes it.
+pub(crate) fn amax_target(
     op: &'static str,
     dev: &CudaDevice,
     x: &Tensor,
-    out: &'a mut Tensor,
-) -> Result<&'a mut cudarc::driver::CudaSlice<u8>> {
+    out: &mut Tensor,
+) -> Result<u64> {
     if out.dtype() != DType::F32 || out.numel() != 1 || out.device() != x.device() {
         return Err(Error::invalid(
             op,
@@ -460,9 +449,25 @@ pub(crate) fn scalar_target<'a>(
             ),
         ));
     }
-    let dst = out.cuda_slice_mut()?;
-    dev.stream().memset_zeros(&mut *dst).cuda_op(op)?;
-    Ok(dst)
+    device_addr_mut(dev, out)
+}
+
+/// Zeroes the amax scalars at `a` and, unless it is 0, `b` (addresses from
+/// [`amax_target`]) with `tessera_clear_amaxes`: a programmatic launch, where a memset
+/// would end the chain of early launches before the amax pass.
+pub(crate) fn clear_amaxes(dev: &CudaDevice, op: &'static str, a: u64, b: u64) -> Result<()> {
+    let f = dev.function(&FP8_PTX, "tessera_clear_amaxes")?;
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut p = Params::default();
+    p.arg(&a).arg(&b);
+    // SAFETY: tessera_clear_amaxes(float* a, float* b): a and b (unless 0, a null
+    // pointer) address f32 scalars on this device (`amax_target`); the kernel touches
+    // memory only after its pdl_first().
+    unsafe { launch_params(dev, &f, cfg, op, Order::WaitFirst, &mut p) }
 }
 
 /// The device handle of a CUDA tensor.

@@ -2,15 +2,15 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DeviceRepr, LaunchConfig};
 use tessera_core::cuda::{CudaDevice, CudaResultExt, grid_1d};
 use tessera_core::{DType, Error, Result, Tensor};
 use tessera_rng::Generator;
 
 use super::{
-    BLOCK, NVFP4_DEQ_TILE_M, NVFP4_PTX, Order, Outputs, Params, banded_grid, dequant_addrs,
-    dequant_cols_grid, dequant_units_grid, dequant_vals, device_addr, device_of, dtype_suffix,
-    launch, launch_params, tile_grid,
+    BLOCK, NVFP4_DEQ_TILE_M, NVFP4_PTX, Order, Outputs, Params, amax_target, banded_grid,
+    clear_amaxes, dequant_addrs, dequant_cols_grid, dequant_units_grid, dequant_vals, device_addr,
+    device_of, dtype_suffix, launch_params, tile_grid,
 };
 use crate::values::check_input;
 use crate::{AmaxReduction, BufferName, QuantizedTensor, Usage};
@@ -62,33 +62,30 @@ fn reduce_in_place(
 
 /// The global amaxes of an RHT quantization on the device, from one read of `x`:
 /// `max |x|` (rowwise) into `row` and `max |RHT(xᵀ)|` (columnwise) into `col`, both
-/// `f32 [1]` on `x`'s device and cleared first.
+/// `f32 [1]` on `x`'s device and cleared first. Both launches are programmatic, as in
+/// [`super::fp8::amax_into`].
 fn rht_amaxes_into(dev: &CudaDevice, x: &Tensor, row: &mut Tensor, col: &mut Tensor) -> Result<()> {
     const OP: &str = "cuda nvfp4 amax";
     let (m, k) = x.shape().flat_2d();
-    let r = super::scalar_target(OP, dev, x, row)?;
-    let c = super::scalar_target(OP, dev, x, col)?;
+    let r = amax_target(OP, dev, x, row)?;
+    let c = amax_target(OP, dev, x, col)?;
     let f = dev.function(
         &NVFP4_PTX,
         &format!("tessera_nvfp4_rht_amax_{}", dtype_suffix(OP, x.dtype())?),
     )?;
-    let (mu, ku) = (m as u64, k as u64);
+    let (src, mu, ku) = (device_addr(dev, x)?, m as u64, k as u64);
     // A thread per run of 16 rows of RHT_AMAX_COLS columns (8 for 2-byte types).
     let cols = if x.dtype().size_in_bytes() == 2 { 8 } else { 1 };
     let cfg = grid_1d(dev, (m / 16) * (k / cols), BLOCK)?;
+    clear_amaxes(dev, OP, r, c)?;
+    let mut p = Params::default();
+    p.arg(&src).arg(&mu).arg(&ku).arg(&r).arg(&c);
     // SAFETY: (const T* x, u64 m, u64 k, float* row, float* col): x is [m, k] with m and
     // k multiples of 16 (checked by the quantizer), so 8-column groups of 2-byte T are
     // 16-byte aligned rows of a 256-byte-aligned allocation; row and col are distinct
-    // zeroed f32 scalars.
-    unsafe {
-        launch(dev, &f, cfg, OP, |b| {
-            b.arg(x.cuda_slice().expect("device tensor"))
-                .arg(&mu)
-                .arg(&ku)
-                .arg(r)
-                .arg(c);
-        })
-    }
+    // f32 scalars, zeroed by the launch before; the kernel touches memory only after
+    // its pdl_first().
+    unsafe { launch_params(dev, &f, cfg, OP, Order::WaitFirst, &mut p) }
 }
 
 /// The global amaxes of a quantization, in `out`'s own amax buffers: `Amax` for the
