@@ -1286,21 +1286,30 @@ fn two_pass_quantizers_see_the_amax_and_input_written_just_before() {
     }
 }
 
-/// The same when the input comes from an early-launched kernel: a dequantization
-/// (`Order::WaitFirst`, which lets the next launch start at once) writes the input, then
-/// the clear, amax and second passes follow it as programmatic launches. The second pass
-/// reads its tile before its own wait, so it must not start before the dequantization
-/// has finished: a tile read early shows as bytes of the round before (whose values are
-/// 2^9 times larger or smaller).
+/// The same when the input comes from early-launched kernels: the dequantization of a
+/// large tensor, then a small dequantization that writes the input, both
+/// `Order::WaitFirst` launches, which let the next launch start at once. The clear,
+/// amax and second passes follow as programmatic launches too, and the small ones fit
+/// beside the large dequantization's last CTAs. The second pass reads its tile before
+/// its own wait, so it must not start before the input is written: a tile read early
+/// shows as the input of the quantization before, whose values are 2^9 times larger or
+/// smaller. (An amax pass that let its second pass launch before its own wait failed
+/// this test on an H100; with a 4096x4096 input alone in front, it passed.)
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn two_pass_quantizers_see_an_input_an_early_launch_wrote() {
     require_gpu();
-    let shape = [4096, 4096];
-    let mut y = Tensor::zeros(shape, DType::F32, GPU).unwrap();
     let mut fill = Generator::new(8200);
     let mut mxfp8 = Mxfp8Quantizer::new(Fp8Format::E4M3).with_usage(Usage::Rowwise);
+    let big_shape = [8192, 8192];
+    let mut big = Tensor::zeros(big_shape, DType::F32, GPU).unwrap();
+    fill.fill_normal_tensor(&mut big, 0.0, 1.0).unwrap();
+    let big_q = mxfp8.quantize(&big).unwrap();
+    let mut big_out = Tensor::zeros(big_shape, DType::BF16, GPU).unwrap();
+    let shape = [256, 1024];
+    let mut y = Tensor::zeros(shape, DType::F32, GPU).unwrap();
     let mut q = mxfp8.make_empty(y.shape(), y.dtype(), GPU).unwrap();
+    let mut call = 0;
     for dtype in [DType::BF16, DType::F32] {
         let mut x = Tensor::zeros(shape, dtype, GPU).unwrap();
         let mut quantizers: Vec<(&str, Box<dyn Quantizer>)> = vec![
@@ -1322,18 +1331,19 @@ fn two_pass_quantizers_see_an_input_an_early_launch_wrote() {
             .iter()
             .map(|(_, quantizer)| quantizer.make_empty(x.shape(), x.dtype(), GPU).unwrap())
             .collect();
-        for round in 0..6 {
-            let std = 2f32.powi(9 * (round % 3) - 9);
-            fill.fill_normal_tensor(&mut y, 0.0, std).unwrap();
-            mxfp8.quantize_into(&y, &mut q).unwrap();
-            let mut host = None;
+        for round in 0..8 {
             for ((name, quantizer), out) in quantizers.iter_mut().zip(&mut outs) {
+                call += 1;
+                let std = 2f32.powi(9 * (call % 3) - 9);
+                fill.fill_normal_tensor(&mut y, 0.0, std).unwrap();
+                mxfp8.quantize_into(&y, &mut q).unwrap();
+                big_q.dequantize_into(Usage::Rowwise, &mut big_out).unwrap();
                 q.dequantize_into(Usage::Rowwise, &mut x).unwrap();
                 quantizer.quantize_into(&x, out).unwrap();
-                let host = host.get_or_insert_with(|| x.to_device(Device::Cpu).unwrap());
+                let host = x.to_device(Device::Cpu).unwrap();
                 assert_same(
                     out,
-                    &quantizer.quantize(host).unwrap(),
+                    &quantizer.quantize(&host).unwrap(),
                     &format!("{name} of {dtype}, round {round}"),
                 );
             }
