@@ -1,8 +1,9 @@
 //! GPU benchmark of the quantization kernels (not a test): `cargo xtask bench-gpu`.
 //!
-//! For bf16 inputs of 16384x8192 and 4096x4096 it times, with CUDA events (median of
-//! `--iters` batches of 10 back-to-back launches), a device copy as the ceiling and each
-//! quantizer through `Quantizer::quantize_into` (outputs allocated once). GB/s counts the
+//! For bf16 inputs of 16384x8192 and 4096x4096 (or the `--shape`s given) it times, with
+//! CUDA events (median of `--iters` batches of 10 back-to-back launches), a device copy
+//! as the ceiling and each quantizer through `Quantizer::quantize_into` (outputs
+//! allocated once). GB/s counts the
 //! minimal traffic: the input read once plus every output byte written once; for current
 //! scaling the two-pass floor (input read twice) is reported too.
 
@@ -116,16 +117,39 @@ struct Args {
     /// Where to write the results as JSON.
     #[arg(long)]
     json: Option<String>,
+    /// Input shapes as ROWSxCOLS, in order (repeat the flag), both multiples of 32 (so
+    /// that every format here takes them); 16384x8192 and 4096x4096 when none is given.
+    /// Shapes whose scale grids have padding (rows not a multiple of 128, say) time the
+    /// padding's clearing too.
+    #[arg(long = "shape", value_parser = parse_shape)]
+    shapes: Vec<(usize, usize)>,
     #[arg(long, hide = true)]
     bench: bool,
+}
+
+/// `ROWSxCOLS` as two positive multiples of 32.
+fn parse_shape(s: &str) -> std::result::Result<(usize, usize), String> {
+    let parsed = s
+        .split_once('x')
+        .and_then(|(m, k)| Some((m.trim().parse().ok()?, k.trim().parse().ok()?)));
+    match parsed {
+        Some((m, k)) if m > 0 && k > 0 && m % 32 == 0 && k % 32 == 0 => Ok((m, k)),
+        _ => Err(format!(
+            "expected ROWSxCOLS with both positive multiples of 32, like 4000x4096, got {s:?}"
+        )),
+    }
 }
 
 fn main() -> Result<()> {
     let Args {
         iters,
         json: json_path,
+        mut shapes,
         ..
     } = clap::Parser::parse();
+    if shapes.is_empty() {
+        shapes = vec![(16384, 8192), (4096, 4096)];
+    }
     let dev = device(0)?;
     let gpu = Device::Cuda(0);
     let mut b = Bench {
@@ -134,7 +158,7 @@ fn main() -> Result<()> {
         rows: Vec::new(),
     };
     let mut copies = Vec::new();
-    for (m, k) in [(16384usize, 8192usize), (4096, 4096)] {
+    for (m, k) in shapes {
         let shape = Shape::new([m, k]);
         let mut z = vec![0f32; m * k];
         Generator::new(1).fill_normal(&mut z, 0.0, 1.0);

@@ -18,6 +18,23 @@ extern "C" __global__ void __launch_bounds__(32) tessera_clear_amaxes(float* a, 
     }
 }
 
+// Zeroes the n bytes at p: a scale buffer with padding, before the quantizing kernel
+// writes its valid entries (padding must read 0). A programmatic launch like every
+// kernel here, where a memset would end the chain of early launches. Grid-stride over
+// 16-byte words from the first 16-byte boundary; the bytes before it and after the last
+// whole word go one per thread of the first threads.
+extern "C" __global__ void __launch_bounds__(256) tessera_clear_bytes(uint8_t* p, u64 n) {
+    pdl_first();
+    const u64 mis = (u64)p & 15u;
+    const u64 head = mis == 0 ? 0 : (16 - mis < n ? 16 - mis : n);
+    const u64 words = (n - head) / 16, tail = n - head - 16 * words;
+    uint4* w = reinterpret_cast<uint4*>(p + head);
+    const u64 stride = (u64)gridDim.x * blockDim.x, t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    for (u64 i = t; i < words; i += stride) w[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (t < head) p[t] = 0;
+    if (t < tail) p[head + 16 * words + t] = 0;
+}
+
 // out[0] = max(out[0], NaN-ignoring max |x|); out must start at 0 (or a previous amax),
 // which the kernel before wrote (tessera_clear_amaxes): the pass reads nothing before
 // pdl_amax_first.

@@ -39,7 +39,9 @@ pub(crate) fn amax_into(x: &Tensor, out: &mut Tensor) -> Result<()> {
     let (src, n) = (device_addr(&dev, x)?, x.numel() as u64);
     let per = 16 / x.dtype().size_in_bytes();
     let cfg = grid_1d(&dev, x.numel().div_ceil(per), BLOCK)?;
-    clear_amaxes(&dev, OP, dst, 0)?;
+    // SAFETY: dst is the address of `out`, an f32 [1] on dev (amax_target), borrowed
+    // mutably here.
+    unsafe { clear_amaxes(&dev, OP, dst, 0) }?;
     let mut p = Params::default();
     p.arg(&src).arg(&n).arg(&dst);
     // SAFETY: tessera_amax_T(const T* x, u64 n, float* out): x holds n elements of T

@@ -258,8 +258,8 @@ pub(crate) unsafe fn launch_params(
 
 /// The buffers a both-orientations kernel writes, taken out of the output tensor (its
 /// usage decides which exist) so the kernel owns them uniquely; scale buffers with
-/// padding are cleared first, because kernels write only the valid entries and padding
-/// must read 0.
+/// padding are cleared first ([`clear_tensor`]), because kernels write only the valid
+/// entries and padding must read 0.
 pub(crate) struct Outputs {
     pub(crate) q_row: Option<Tensor>,
     pub(crate) s_row: Option<Tensor>,
@@ -272,7 +272,7 @@ impl Outputs {
     ///
     /// `valid` holds the `[rows, cols]` of the entries the kernel writes in the rowwise
     /// and the columnwise scale buffer: a buffer of exactly that shape has no padding and
-    /// is not cleared (one memset launch less per call).
+    /// is not cleared (one launch less per call).
     pub(crate) fn take(
         dev: &CudaDevice,
         out: &mut crate::QuantizedTensor,
@@ -299,7 +299,7 @@ impl Outputs {
             if s.shape().dims() == valid.as_slice() {
                 continue;
             }
-            dev.stream().memset_zeros(s.cuda_slice_mut()?).cuda_op(op)?;
+            clear_tensor(dev, op, s)?;
         }
         Ok(o)
     }
@@ -455,7 +455,16 @@ pub(crate) fn amax_target(
 /// Zeroes the amax scalars at `a` and, unless it is 0, `b` (addresses from
 /// [`amax_target`]) with `tessera_clear_amaxes`: a programmatic launch, where a memset
 /// would end the chain of early launches before the amax pass.
-pub(crate) fn clear_amaxes(dev: &CudaDevice, op: &'static str, a: u64, b: u64) -> Result<()> {
+///
+/// # Safety
+/// `a`, and `b` unless it is 0, must be the device addresses of `f32` scalars on `dev`
+/// that nothing else uses while the kernel runs.
+pub(crate) unsafe fn clear_amaxes(
+    dev: &CudaDevice,
+    op: &'static str,
+    a: u64,
+    b: u64,
+) -> Result<()> {
     let f = dev.function(&FP8_PTX, "tessera_clear_amaxes")?;
     let cfg = LaunchConfig {
         grid_dim: (1, 1, 1),
@@ -465,8 +474,30 @@ pub(crate) fn clear_amaxes(dev: &CudaDevice, op: &'static str, a: u64, b: u64) -
     let mut p = Params::default();
     p.arg(&a).arg(&b);
     // SAFETY: tessera_clear_amaxes(float* a, float* b): a and b (unless 0, a null
-    // pointer) address f32 scalars on this device (`amax_target`); the kernel touches
-    // memory only after its pdl_first().
+    // pointer) address f32 scalars on this device (the caller's contract); the kernel
+    // touches memory only after its pdl_first().
+    unsafe { launch_params(dev, &f, cfg, op, Order::WaitFirst, &mut p) }
+}
+
+/// Zeroes the storage of `t`, a CUDA tensor on `dev`, with `tessera_clear_bytes`: a
+/// programmatic launch (`Order::WaitFirst`), where a memset would end the chain of early
+/// launches (the kernel after a memset starts only once it is done, and the memset only
+/// once the kernel before has finished).
+pub(crate) fn clear_tensor(dev: &CudaDevice, op: &'static str, t: &mut Tensor) -> Result<()> {
+    let len = t.size_in_bytes();
+    if len == 0 {
+        return Ok(());
+    }
+    let addr = device_addr_mut(dev, t)?;
+    let f = dev.function(&FP8_PTX, "tessera_clear_bytes")?;
+    // A thread per 16-byte word, and at least 16 for the bytes around them.
+    let cfg = tessera_core::cuda::grid_1d(dev, (len / 16).max(16), BLOCK)?;
+    let n = len as u64;
+    let mut p = Params::default();
+    p.arg(&addr).arg(&n);
+    // SAFETY: tessera_clear_bytes(uint8_t* p, u64 n): addr addresses the len bytes of
+    // t's storage on this device, which the kernel alone writes; it touches memory only
+    // after its pdl_first().
     unsafe { launch_params(dev, &f, cfg, op, Order::WaitFirst, &mut p) }
 }
 
@@ -593,5 +624,51 @@ mod tests {
             msg.contains("[67108864, 1048576]") && msg.contains("2147483647"),
             "{msg}"
         );
+    }
+
+    /// `tessera_clear_bytes` zeroes exactly its `n` bytes, from any start: inside a
+    /// buffer of 0xA5 bytes, ranges that start and end on and off 16-byte boundaries
+    /// (and `clear_tensor` on whole buffers) leave every byte outside them as it was.
+    #[test]
+    #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+    fn clear_bytes_zeroes_exactly_its_range() {
+        assert!(
+            tessera_core::cuda::is_available(),
+            "this test needs a CUDA GPU; run it with `cargo xtask test-gpu`"
+        );
+        let gpu = tessera_core::Device::Cuda(0);
+        let dev = tessera_core::cuda::device(0).unwrap();
+        let f = dev.function(&FP8_PTX, "tessera_clear_bytes").unwrap();
+        for len in [1usize, 15, 16, 17, 33, 4096 + 5, (1 << 20) + 3] {
+            for (start, n) in [(0, len), (1, len.saturating_sub(2)), (7, len / 2), (16, 1)] {
+                if start + n > len {
+                    continue;
+                }
+                let mut t = Tensor::filled_with_byte([len], DType::U8, gpu, 0xA5).unwrap();
+                let addr = device_addr_mut(&dev, &mut t).unwrap() + start as u64;
+                let n64 = n as u64;
+                let cfg = tessera_core::cuda::grid_1d(&dev, (n / 16).max(16), BLOCK).unwrap();
+                let mut p = Params::default();
+                p.arg(&addr).arg(&n64);
+                // SAFETY: tessera_clear_bytes(uint8_t* p, u64 n): [start, start + n) lies
+                // inside t's len bytes, which nothing else uses.
+                unsafe { launch_params(&dev, &f, cfg, "test", Order::WaitFirst, &mut p) }.unwrap();
+                let got = t.to_vec::<u8>().unwrap();
+                for (i, &b) in got.iter().enumerate() {
+                    let want = if (start..start + n).contains(&i) {
+                        0
+                    } else {
+                        0xA5
+                    };
+                    assert_eq!(b, want, "len {len}, range {start}+{n}: byte {i}");
+                }
+            }
+            let mut t = Tensor::filled_with_byte([len], DType::U8, gpu, 0xA5).unwrap();
+            clear_tensor(&dev, "test", &mut t).unwrap();
+            assert!(
+                t.to_vec::<u8>().unwrap().iter().all(|&b| b == 0),
+                "len {len}"
+            );
+        }
     }
 }

@@ -77,7 +77,9 @@ fn rht_amaxes_into(dev: &CudaDevice, x: &Tensor, row: &mut Tensor, col: &mut Ten
     // A thread per run of 16 rows of RHT_AMAX_COLS columns (8 for 2-byte types).
     let cols = if x.dtype().size_in_bytes() == 2 { 8 } else { 1 };
     let cfg = grid_1d(dev, (m / 16) * (k / cols), BLOCK)?;
-    clear_amaxes(dev, OP, r, c)?;
+    // SAFETY: r and c are the addresses of `row` and `col`, distinct f32 [1] tensors on
+    // dev (amax_target), borrowed mutably here.
+    unsafe { clear_amaxes(dev, OP, r, c) }?;
     let mut p = Params::default();
     p.arg(&src).arg(&mu).arg(&ku).arg(&r).arg(&c);
     // SAFETY: (const T* x, u64 m, u64 k, float* row, float* col): x is [m, k] with m and
