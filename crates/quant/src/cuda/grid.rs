@@ -1,0 +1,251 @@
+//! Launch grids: the dequantizers' covering grids and the tile kernels' grids, each
+//! refusing what a launch cannot hold instead of leaving work undone.
+
+use cudarc::driver::LaunchConfig;
+use tessera_core::{Error, Result};
+
+use super::BLOCK;
+
+/// Units of work a dequantizing thread takes (`DEQ_UNITS` in `common.cuh`).
+const DEQ_UNITS: usize = 2;
+
+/// The launch of a dequantizer that gives each thread [`DEQ_UNITS`] units of work and does
+/// not stride (`for_units` in `common.cuh`): the grid covers all `units`.
+pub(crate) fn dequant_units_grid(units: usize) -> Result<LaunchConfig> {
+    covering(
+        "cuda dequantize",
+        units.div_ceil(DEQ_UNITS).div_ceil(BLOCK as usize),
+    )
+}
+
+/// The launch of a columnwise dequantizer that reads its stored `[k, m]` operand in tiles
+/// of 64 stored rows by `tile_m` elements along `m`, a CTA per tile: `fp8_dequant_cols`
+/// ([`FP8_DEQ_TILE_M`]) and NVFP4's ([`NVFP4_DEQ_TILE_M`]).
+pub(crate) fn dequant_cols_grid(m: usize, k: usize, tile_m: usize) -> Result<LaunchConfig> {
+    // The stored operand is [k, m]: its row-major tiles are what the kernels map blockIdx to.
+    tile_grid("cuda dequantize columnwise", k, m, 64, tile_m)
+}
+
+/// `DEQ_TILE_M` in `common.cuh`.
+pub(crate) const FP8_DEQ_TILE_M: usize = 256;
+/// `NVFP4_DEQ_TILE_M` in `nvfp4.cu`.
+pub(crate) const NVFP4_DEQ_TILE_M: usize = 256;
+
+/// `blocks` CTAs of `BLOCK` threads on a 1-D grid, refused past the grid's limit of
+/// 2^31 - 1 CTAs in x (the kernels launched this way do not stride, so a capped grid would
+/// leave work undone).
+fn covering(op: &'static str, blocks: usize) -> Result<LaunchConfig> {
+    let blocks = i32::try_from(blocks.max(1)).map_err(|_| {
+        Error::shape(
+            op,
+            format!(
+                "{blocks} thread blocks exceed the launch grid's limit of {}",
+                i32::MAX
+            ),
+        )
+    })? as u32;
+    Ok(LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// A 2-D launch of 64×64 tiles over an `[rows, cols]` matrix (rows in x, cols in y).
+pub(crate) fn tiles_64(rows: usize, cols: usize) -> Result<LaunchConfig> {
+    let gy = cols.div_ceil(64).max(1);
+    if gy > 65_535 {
+        return Err(Error::shape(
+            "cuda launch",
+            format!("a matrix with {cols} columns exceeds the 64x65535-column tile grid"),
+        ));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (
+            rows.div_ceil(64).clamp(1, u32::MAX as usize) as u32,
+            gy as u32,
+            1,
+        ),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// The launch of a tile kernel over an `[m, k]` matrix cut into `tm x tk` tiles: a 1-D
+/// grid of one CTA per tile, which the kernel maps to its tile, in row-major order
+/// (`tile_row` / `tile_col` in kernels/common.cuh; the general NVFP4 kernel takes them
+/// column-major). Fails when there are more than 2^31 - 1 tiles.
+pub(crate) fn tile_grid(
+    op: &'static str,
+    m: usize,
+    k: usize,
+    tm: usize,
+    tk: usize,
+) -> Result<LaunchConfig> {
+    let tiles = m.div_ceil(tm).max(1).saturating_mul(k.div_ceil(tk).max(1));
+    if tiles > i32::MAX as usize {
+        return Err(Error::shape(
+            op,
+            format!(
+                "[{m}, {k}] needs {tiles} tiles of {tm}x{tk}; the launch grid holds at most {}",
+                i32::MAX
+            ),
+        ));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (tiles as u32, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// The launch of a banded tile kernel (`tile_banded` in kernels/common.cuh) over an
+/// `[m, k]` matrix cut into `t x t` tiles: bands of `h` tile rows, `h` the least power of
+/// two at least the number of tile rows, at most 8; `grid.x` covers a band (its tile
+/// columns times `h`, tile rows fastest), `grid.y` counts the bands. The last band's
+/// tiles past the matrix have CTAs that return at once. Fails when a band holds more
+/// than 2^31 - 1 tiles or there are more than 65535 bands.
+pub(crate) fn banded_grid(op: &'static str, m: usize, k: usize, t: usize) -> Result<LaunchConfig> {
+    let (gx, gy) = (m.div_ceil(t).max(1), k.div_ceil(t).max(1));
+    let h = gx.next_power_of_two().min(1 << BAND_ROWS_LOG2);
+    let (x, y) = (gy.saturating_mul(h), gx.div_ceil(h));
+    if x > i32::MAX as usize || y > u16::MAX as usize {
+        return Err(Error::shape(
+            op,
+            format!(
+                "[{m}, {k}] needs {y} bands of {h} x {gy} tiles of {t}x{t}; a launch holds at \
+                 most 65535 bands of at most {} tiles",
+                i32::MAX
+            ),
+        ));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (x as u32, y as u32, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// log2 of the most tile rows in a band (`TQ_BAND_ROWS_LOG2` in kernels/common.cuh).
+const BAND_ROWS_LOG2: u32 = 3;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dequantizer_grids_cover_their_work_and_refuse_past_the_grid_limit() {
+        // Two units a thread, in whole CTAs: every unit has a thread, with less than a
+        // CTA to spare.
+        for units in [1usize, 511, 512, 513, 1 << 20, 16384 * 8192 / 8 + 3] {
+            let cfg = dequant_units_grid(units).unwrap();
+            let threads = cfg.grid_dim.0 as usize * BLOCK as usize;
+            assert!(
+                threads * DEQ_UNITS >= units,
+                "{units} units, {threads} threads"
+            );
+            assert!(
+                (threads - BLOCK as usize) * DEQ_UNITS < units,
+                "{units} units, {threads} threads"
+            );
+        }
+        // No work still launches one CTA (the per-tensor kernel's tail needs threads).
+        assert_eq!(dequant_units_grid(0).unwrap().grid_dim, (1, 1, 1));
+        // A CTA per tile of 64 stored rows by `tile_m`, ragged edges rounded up.
+        assert_eq!(
+            dequant_cols_grid(16384, 8192, FP8_DEQ_TILE_M)
+                .unwrap()
+                .grid_dim,
+            (128 * 64, 1, 1)
+        );
+        assert_eq!(
+            dequant_cols_grid(6176, 4192, NVFP4_DEQ_TILE_M)
+                .unwrap()
+                .grid_dim,
+            (66 * 25, 1, 1)
+        );
+        // The kernels do not stride, so a grid past 2^31 - 1 CTAs (CUDA's limit in x) is an
+        // error, not a silently capped launch.
+        let per_cta = BLOCK as usize * DEQ_UNITS;
+        assert_eq!(
+            dequant_units_grid(i32::MAX as usize * per_cta)
+                .unwrap()
+                .grid_dim,
+            (i32::MAX as u32, 1, 1)
+        );
+        assert!(dequant_units_grid((i32::MAX as usize + 1) * per_cta).is_err());
+        assert!(dequant_cols_grid(1 << 40, 1 << 20, FP8_DEQ_TILE_M).is_err());
+        let e = dequant_units_grid(1 << 45).unwrap_err();
+        assert!(matches!(e, Error::Shape { .. }), "{e}");
+        assert!(e.to_string().contains("exceed the launch grid"), "{e}");
+    }
+
+    #[test]
+    fn tile_grid_launches_one_cta_per_tile_on_a_1d_grid() {
+        let cfg = tile_grid("test", 16384, 8192, 128, 128).unwrap();
+        assert_eq!(cfg.grid_dim, (128 * 64, 1, 1));
+        assert_eq!(cfg.block_dim, (BLOCK, 1, 1));
+        // Ragged edges round up; an empty matrix still launches one CTA.
+        assert_eq!(
+            tile_grid("test", 65, 257, 64, 256).unwrap().grid_dim,
+            (2 * 2, 1, 1)
+        );
+        assert_eq!(
+            tile_grid("test", 0, 0, 32, 128).unwrap().grid_dim,
+            (1, 1, 1)
+        );
+        // K of more than 65535 tiles is fine now that the grid is 1-D.
+        assert_eq!(
+            tile_grid("test", 32, 128 * 70_000, 32, 128)
+                .unwrap()
+                .grid_dim,
+            (70_000, 1, 1)
+        );
+    }
+
+    #[test]
+    fn banded_grid_covers_bands_of_a_power_of_two_tile_rows() {
+        // 128 x 64 tiles: 16 bands of 8 tile rows.
+        let cfg = banded_grid("test", 16384, 8192, 128).unwrap();
+        assert_eq!(cfg.grid_dim, (8 * 64, 16, 1));
+        assert_eq!(cfg.block_dim, (BLOCK, 1, 1));
+        // 33 tile rows: a fifth band of 8 with one tile row in the matrix.
+        assert_eq!(
+            banded_grid("test", 33 * 128, 128, 128).unwrap().grid_dim,
+            (8, 5, 1)
+        );
+        // 3 tile rows: one band of 4 (the least power of two), ragged columns round up.
+        assert_eq!(
+            banded_grid("test", 3 * 128 - 16, 129, 128)
+                .unwrap()
+                .grid_dim,
+            (4 * 2, 1, 1)
+        );
+        // One tile row, and an empty matrix: bands of one.
+        assert_eq!(
+            banded_grid("test", 16, 1024, 128).unwrap().grid_dim,
+            (8, 1, 1)
+        );
+        assert_eq!(banded_grid("test", 0, 0, 128).unwrap().grid_dim, (1, 1, 1));
+    }
+
+    #[test]
+    fn banded_grid_refuses_what_a_launch_cannot_hold() {
+        // 65536 bands of 8 tile rows of 128.
+        let err = banded_grid("test", 128 * 8 * 65536, 128, 128).unwrap_err();
+        assert!(err.to_string().contains("65536 bands"), "{err}");
+        // A band of 8 x 2^28 tiles.
+        let err = banded_grid("test", 128 * 8, 128 << 28, 128).unwrap_err();
+        assert!(err.to_string().contains("2147483647"), "{err}");
+    }
+
+    #[test]
+    fn tile_grid_refuses_more_tiles_than_a_launch_holds() {
+        let err = tile_grid("test", 1 << 26, 1 << 20, 32, 128).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("[67108864, 1048576]") && msg.contains("2147483647"),
+            "{msg}"
+        );
+    }
+}
