@@ -3,8 +3,13 @@
 //! A kernel change is judged by running the benchmark of both builds in one device call,
 //! alternated, and comparing row by row; this prints that comparison as the Markdown
 //! table BENCHMARKS.md uses. Rows are matched by shape and kernel name; each side shows
-//! every run's ratio to copy (and to its floor where the row has one that differs), and
-//! the last column the change of the median time (negative: the new build is faster).
+//! every run's ratio to copy (and to its floor where the row has one that differs), or
+//! past [`LISTED_RUNS`] runs their range and median, and the last column the change of
+//! the median time (negative: the new build is faster).
+//!
+//! A file is one run (`"ms": 0.1`, the bench's `--json`) or several (`"ms": [0.1, ...]`
+//! with `of_copy` and `of_floor` arrays of the same length: the per-build files kept
+//! under `bench/results`).
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -40,26 +45,44 @@ impl Build {
             );
         };
         for (i, r) in rows.iter().enumerate() {
-            let field = |name: &str| {
-                r.get(name).and_then(|x| x.as_f64()).with_context(|| {
-                    format!("{}: row {i} has no number \"{name}\"", path.display())
-                })
-            };
             let kernel = r
                 .get("kernel")
                 .and_then(|k| k.as_str())
                 .with_context(|| format!("{}: row {i} has no string \"kernel\"", path.display()))?;
             let shape = r.get("shape").and_then(|s| s.as_str()).unwrap_or("");
             let key = (shape.to_owned(), kernel.to_owned());
-            let sample = Sample {
-                of_copy: field("of_copy")?,
-                of_floor: r.get("of_floor").and_then(|x| x.as_f64()),
-                ms: field("ms")?,
+            // One number per field, or one array per field with a number per run.
+            let runs = r.get("ms").and_then(|m| m.as_array()).map_or(1, Vec::len);
+            let field = |name: &str, run: usize| -> Result<Option<f64>> {
+                let v = match r.get(name) {
+                    None => return Ok(None),
+                    Some(serde_json::Value::Array(a)) => a.get(run),
+                    Some(x) => Some(x),
+                };
+                match v.and_then(|x| x.as_f64()) {
+                    Some(x) => Ok(Some(x)),
+                    None => bail!(
+                        "{}: row {i}'s \"{name}\" is not a number or an array of {runs} numbers",
+                        path.display()
+                    ),
+                }
+            };
+            let needed = |name: &str, run: usize| -> Result<f64> {
+                field(name, run)?.with_context(|| {
+                    format!("{}: row {i} has no number \"{name}\"", path.display())
+                })
             };
             if !self.rows.contains_key(&key) {
                 self.order.push(key.clone());
             }
-            self.rows.entry(key).or_default().push(sample);
+            for run in 0..runs {
+                let sample = Sample {
+                    of_copy: needed("of_copy", run)?,
+                    of_floor: field("of_floor", run)?,
+                    ms: needed("ms", run)?,
+                };
+                self.rows.entry(key.clone()).or_default().push(sample);
+            }
         }
         Ok(())
     }
@@ -85,15 +108,28 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// The most runs a cell lists one by one; past it, a cell gives their range and median.
+const LISTED_RUNS: usize = 6;
+
 /// A side's cell: the runs' ratios to copy, then to floor where any run's floor differs
-/// from its copy ratio (the two-pass rows), or "-" for a row the build lacks.
+/// from its copy ratio (the two-pass rows), or "-" for a row the build lacks. Past
+/// [`LISTED_RUNS`] runs: `min-max, median m`, with the number of runs at the end.
 fn cell(samples: Option<&Vec<Sample>>) -> String {
     let Some(s) = samples else {
         return "-".into();
     };
     let join = |f: &dyn Fn(&Sample) -> f64| {
-        s.iter()
-            .map(|x| format!("{:.3}", f(x)))
+        let v: Vec<f64> = s.iter().map(f).collect();
+        if v.len() > LISTED_RUNS {
+            let (lo, hi) = v
+                .iter()
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
+                    (lo.min(x), hi.max(x))
+                });
+            return format!("{lo:.3}-{hi:.3}, median {:.3}", median(v.clone()));
+        }
+        v.iter()
+            .map(|x| format!("{x:.3}"))
             .collect::<Vec<_>>()
             .join(" / ")
     };
@@ -107,6 +143,9 @@ fn cell(samples: Option<&Vec<Sample>>) -> String {
             join(&|x| x.of_floor.unwrap_or(f64::NAN))
         )
         .unwrap();
+    }
+    if s.len() > LISTED_RUNS {
+        write!(out, " ({} runs)", s.len()).unwrap();
     }
     out
 }
@@ -231,6 +270,30 @@ mod tests {
             "{e}"
         );
         assert!(b.add_run("not json", Path::new("c.json")).is_err());
+    }
+
+    #[test]
+    fn files_of_several_runs_count_each_run_and_long_lists_become_ranges() {
+        // Seven runs in one file (the per-build files under bench/results), one in another.
+        let seven = r#"{"rows": [{"shape": "[4, 4]", "kernel": "k",
+            "ms": [1.0, 1.1, 0.9, 1.0, 1.2, 1.0, 0.8],
+            "of_copy": [0.5, 0.45, 0.55, 0.5, 0.4, 0.5, 0.6],
+            "of_floor": [0.5, 0.45, 0.55, 0.5, 0.4, 0.5, 0.6]}]}"#;
+        let one = r#"{"rows": [{"shape": "[4, 4]", "kernel": "k", "ms": 0.5, "of_copy": 1.0}]}"#;
+        let t = table(&build(&[seven]), &build(&[one]), 0.0);
+        // The median of the seven times is 1.0: 0.5 / 1.0 - 1 = -50%.
+        assert!(
+            t.contains("| [4, 4] | k | 0.400-0.600, median 0.500 (7 runs) | 1.000 | -50.0% |"),
+            "{t}"
+        );
+        // Arrays of another length, or of non-numbers, are errors that name the file.
+        let mut b = Build::default();
+        let short = r#"{"rows": [{"kernel": "k", "ms": [1.0, 2.0], "of_copy": [1.0]}]}"#;
+        let e = b.add_run(short, Path::new("d.json")).unwrap_err();
+        assert!(
+            e.to_string().contains("d.json") && e.to_string().contains("array of 2 numbers"),
+            "{e}"
+        );
     }
 
     #[test]
