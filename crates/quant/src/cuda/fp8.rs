@@ -46,7 +46,7 @@ pub(crate) fn amax_into(x: &Tensor, out: &mut Tensor) -> Result<()> {
     p.arg(&src).arg(&n).arg(&dst);
     // SAFETY: tessera_amax_T(const T* x, u64 n, float* out): x holds n elements of T
     // (dtype-checked by the kernel name), out one float, zeroed by the launch before;
-    // the kernel touches memory only after its pdl_first().
+    // the kernel touches memory only after its pdl_amax_first().
     unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut p) }
 }
 

@@ -86,7 +86,7 @@ fn rht_amaxes_into(dev: &CudaDevice, x: &Tensor, row: &mut Tensor, col: &mut Ten
     // k multiples of 16 (checked by the quantizer), so 8-column groups of 2-byte T are
     // 16-byte aligned rows of a 256-byte-aligned allocation; row and col are distinct
     // f32 scalars, zeroed by the launch before; the kernel touches memory only after
-    // its pdl_first().
+    // its pdl_amax_first().
     unsafe { launch_params(dev, &f, cfg, OP, Order::WaitFirst, &mut p) }
 }
 
