@@ -33,11 +33,11 @@ pub(crate) enum Order {
     /// The second pass of a two-pass quantizer right after its amax pass: a programmatic
     /// dependent launch (sm_90). Its CTAs may start while the amax pass's last CTAs
     /// still run (that pass lets them, after its own wait: `pdl_amax_first` in
-    /// kernels/common.cuh),
-    /// load their tiles, and wait for the amax in `pdl_wait()` (which keeps the loads
-    /// ahead of the wait in the SASS too, see common.cuh). This hides the launch gap
-    /// and the amax pass's tail: on an H200, bf16 4096x4096 FP8 current scaling (both)
-    /// went from 0.93 to 0.99 of its two-pass floor (bench/cuda/quant_variants.cu).
+    /// kernels/common.cuh), load their tiles, and wait for the amax in `pdl_wait()`
+    /// (which keeps the loads ahead of the wait in the SASS too, see common.cuh). This
+    /// hides the launch gap and the amax pass's tail: on an H200, bf16 4096x4096 FP8
+    /// current scaling (both) went from 0.93 to 0.99 of its two-pass floor
+    /// (bench/cuda/quant_variants.cu).
     OverlapAmaxPass,
     /// A one-pass kernel after any kernel: a programmatic dependent launch whose kernel
     /// calls `pdl_first()` (kernels/common.cuh) before any memory access. Its CTAs may
