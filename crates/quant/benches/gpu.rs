@@ -3,9 +3,9 @@
 //! For bf16 inputs of 16384x8192 and 4096x4096 (or the `--shape`s given) it times, with
 //! CUDA events (median of `--iters` batches of 10 back-to-back launches), a device copy
 //! as the ceiling and each quantizer through `Quantizer::quantize_into` (outputs
-//! allocated once). GB/s counts the
-//! minimal traffic: the input read once plus every output byte written once; for current
-//! scaling the two-pass floor (input read twice) is reported too.
+//! allocated once). GB/s counts the minimal traffic: the input read once plus every
+//! output byte written once; for current scaling the two-pass floor (input read twice)
+//! is reported too.
 
 use std::fmt::Write as _;
 
