@@ -32,6 +32,8 @@ struct Sample {
 struct Build {
     order: Vec<(String, String)>,
     rows: BTreeMap<(String, String), Vec<Sample>>,
+    /// The bytes each row moves (the `bytes` of its first run that has one).
+    bytes: BTreeMap<(String, String), u64>,
 }
 
 impl Build {
@@ -53,10 +55,14 @@ impl Build {
             let key = (shape.to_owned(), kernel.to_owned());
             // One number per field, or one array per field with a number per run.
             let runs = r.get("ms").and_then(|m| m.as_array()).map_or(1, Vec::len);
+            // A missing field or a null (a merged run without that field) is None.
             let field = |name: &str, run: usize| -> Result<Option<f64>> {
                 let v = match r.get(name) {
-                    None => return Ok(None),
-                    Some(serde_json::Value::Array(a)) => a.get(run),
+                    None | Some(serde_json::Value::Null) => return Ok(None),
+                    Some(serde_json::Value::Array(a)) => match a.get(run) {
+                        Some(serde_json::Value::Null) => return Ok(None),
+                        v => v,
+                    },
                     Some(x) => Some(x),
                 };
                 match v.and_then(|x| x.as_f64()) {
@@ -74,6 +80,9 @@ impl Build {
             };
             if !self.rows.contains_key(&key) {
                 self.order.push(key.clone());
+            }
+            if let Some(b) = r.get("bytes").and_then(|b| b.as_u64()) {
+                self.bytes.entry(key.clone()).or_insert(b);
             }
             for run in 0..runs {
                 let sample = Sample {
@@ -200,6 +209,54 @@ pub(crate) fn run(base: &[PathBuf], new: &[PathBuf], min_change: f64) -> Result<
     Ok(())
 }
 
+/// `build`'s runs as one file of many runs: per row its shape, kernel and bytes, and
+/// one array per field with an entry per run (`of_floor`'s entry null for a run without
+/// one), `runs` the most runs of any row, and `label` (the build and card) as `build`.
+fn merged(build: &Build, label: Option<&str>) -> serde_json::Value {
+    use serde_json::{Value, json};
+    let rows: Vec<Value> = build
+        .order
+        .iter()
+        .map(|key| {
+            let s = &build.rows[key];
+            let mut row = json!({
+                "shape": key.0,
+                "kernel": key.1,
+                "ms": s.iter().map(|x| x.ms).collect::<Vec<_>>(),
+                "of_copy": s.iter().map(|x| x.of_copy).collect::<Vec<_>>(),
+            });
+            if s.iter().any(|x| x.of_floor.is_some()) {
+                row["of_floor"] = json!(s.iter().map(|x| x.of_floor).collect::<Vec<_>>());
+            }
+            if let Some(b) = build.bytes.get(key) {
+                row["bytes"] = json!(b);
+            }
+            row
+        })
+        .collect();
+    let runs = build.rows.values().map(Vec::len).max().unwrap_or(0);
+    let mut out = json!({ "runs": runs, "rows": rows });
+    if let Some(l) = label {
+        out["build"] = json!(l);
+    }
+    out
+}
+
+/// Writes the runs in `runs` (files of one run or of many, in order) as one file of
+/// many runs at `out`.
+pub(crate) fn run_merge(runs: &[PathBuf], out: &Path, label: Option<&str>) -> Result<()> {
+    let b = Build::read(runs)?;
+    let text = serde_json::to_string(&merged(&b, label))?;
+    std::fs::write(out, text + "\n").with_context(|| format!("writing {}", out.display()))?;
+    println!(
+        "{} rows of {} runs into {}",
+        b.order.len(),
+        b.rows.values().map(Vec::len).max().unwrap_or(0),
+        out.display()
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -294,6 +351,24 @@ mod tests {
             e.to_string().contains("d.json") && e.to_string().contains("array of 2 numbers"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn merged_runs_read_back_as_the_same_samples() {
+        let runs = build(&[BASE_1, BASE_2, NEW_1]);
+        let text = merged(&runs, Some("test build")).to_string();
+        let mut back = Build::default();
+        back.add_run(&text, Path::new("merged.json")).unwrap();
+        assert_eq!(back.order, runs.order);
+        assert_eq!(back.rows, runs.rows);
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["build"], "test build");
+        assert_eq!(v["runs"], 3);
+        // "only new" has one run and no floor: arrays of one, no of_floor field.
+        let only = &v["rows"][2];
+        assert_eq!(only["kernel"], "only new");
+        assert_eq!(only["ms"], serde_json::json!([3.0]));
+        assert!(only.get("of_floor").is_none(), "{only}");
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //!   them into a directory that runs on a GPU machine without cargo.
 //! - `bench-gpu`: run the GPU benchmarks (table + JSON), or bundle them likewise.
 //! - `bench-compare`: two builds' benchmark JSON side by side, as a Markdown table.
+//! - `bench-merge`: one build's benchmark runs in one file of many runs.
 //! - `ci`: what `.ci/run` runs.
 
 mod bundle;
@@ -77,6 +78,20 @@ enum Cmd {
         #[arg(long, default_value_t = 0.0)]
         min_change: f64,
     },
+    /// Merge the JSON of one build's GPU benchmark runs into one file of many runs (an
+    /// array per field, an entry per run, in the order given), as kept under
+    /// bench/results; bench-compare reads both kinds.
+    BenchMerge {
+        /// The runs' JSON files, in run order (files of many runs may be merged again).
+        #[arg(required = true, num_args = 1..)]
+        runs: Vec<PathBuf>,
+        /// Where to write the merged file.
+        #[arg(long)]
+        out: PathBuf,
+        /// The build and card, kept in the file as "build".
+        #[arg(long)]
+        label: Option<String>,
+    },
     /// fmt check, clippy -D warnings, the tests, and builds with and without `cuda`.
     Ci,
 }
@@ -128,6 +143,7 @@ fn main() -> Result<()> {
             new,
             min_change,
         } => compare::run(&base, &new, min_change),
+        Cmd::BenchMerge { runs, out, label } => compare::run_merge(&runs, &out, label.as_deref()),
         Cmd::Ci => {
             let mut c = Command::new(root.join(".ci/run"));
             c.current_dir(&root);
