@@ -44,7 +44,7 @@ pub(crate) fn quantize_into(
         BlockDim::OneD => [[kb, m], [mb, k]],
         BlockDim::TwoD => [[mb, kb], [kb, mb]],
     };
-    let mut o = Outputs::take(&dev, out, OP, valid)?;
+    let o = Outputs::take(&dev, out, OP, valid)?;
     let (s_row_cols, s_col_cols) = (Outputs::dims(&o.s_row)[1], Outputs::dims(&o.s_col)[1]);
     let cfg = tile_grid(OP, m, k, tile_rows, 128)?;
     let (mu, ku) = (m as u64, k as u64);
@@ -55,14 +55,9 @@ pub(crate) fn quantize_into(
         p.value_for_inf,
         i32::from(dim == BlockDim::TwoD),
     );
-    // The launch, with every buffer of `out` put back whatever it returns.
-    let launched = (|| -> Result<()> {
-        // An empty input has nothing to write: every buffer, the scale grids too, is
-        // empty (block.rs `scale_shapes`), and a launch would still start one tile.
-        if m == 0 || k == 0 {
-            return Ok(());
-        }
-        let [qr, sr, qc, sc] = o.addrs(&dev)?;
+    // An empty input has nothing to write: every buffer, the scale grids too, is empty
+    // (block.rs `scale_shapes`).
+    o.launch_and_put_back(&dev, out, m == 0 || k == 0, |[qr, sr, qc, sc]| {
         let xa = device_addr(&dev, x)?;
         let mut params = Params::default();
         params
@@ -82,9 +77,7 @@ pub(crate) fn quantize_into(
         // bytes, the scale buffers their padded grids (f32), or null (0); the kernels
         // call pdl_first() before any memory access.
         unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut params) }
-    })();
-    o.put_back(out);
-    launched?;
+    })?;
     out.source_dtype = x.dtype();
     Ok(())
 }

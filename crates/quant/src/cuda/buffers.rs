@@ -65,7 +65,7 @@ impl Outputs {
 
     /// The device addresses of the four buffers (rows data, rows scales, columns data,
     /// columns scales), 0 (a null pointer to the kernels) where absent.
-    pub(crate) fn addrs(&mut self, dev: &CudaDevice) -> Result<[u64; 4]> {
+    fn addrs(&mut self, dev: &CudaDevice) -> Result<[u64; 4]> {
         let f = |t: &mut Option<Tensor>| t.as_mut().map_or(Ok(0), |t| device_addr_mut(dev, t));
         Ok([
             f(&mut self.q_row)?,
@@ -73,6 +73,25 @@ impl Outputs {
             f(&mut self.q_col)?,
             f(&mut self.s_col)?,
         ])
+    }
+
+    /// Runs `launch` with the buffers' [`addrs`](Self::addrs) unless `empty` (an empty
+    /// input, whose buffers are all empty: a launch would still start one tile), then
+    /// puts the buffers back into `out` whatever `launch` returned.
+    pub(crate) fn launch_and_put_back(
+        mut self,
+        dev: &CudaDevice,
+        out: &mut crate::QuantizedTensor,
+        empty: bool,
+        launch: impl FnOnce([u64; 4]) -> Result<()>,
+    ) -> Result<()> {
+        let launched = if empty {
+            Ok(())
+        } else {
+            self.addrs(dev).and_then(launch)
+        };
+        self.put_back(out);
+        launched
     }
 
     /// Puts the buffers back into `out`.

@@ -36,21 +36,16 @@ pub(crate) fn quantize_into(
             format_suffix(format)
         ),
     )?;
-    let mut o = Outputs::take(&dev, out, OP, [[m, k / 32], [m / 32, k]])?;
+    let o = Outputs::take(&dev, out, OP, [[m, k / 32], [m / 32, k]])?;
     let s_row_cols = Outputs::dims(&o.s_row)[1];
     let [s_col_rows, s_col_cols] = Outputs::dims(&o.s_col);
     let cfg = tile_grid(OP, m, k, tm, tk)?;
     let (mu, ku) = (m as u64, k as u64);
     let (two_d, swz) = (i32::from(two_d), i32::from(swizzled));
     let max_rcp = format.max_rcp();
-    // The launch, with every buffer of `out` put back whatever it returns.
-    let launched = (|| -> Result<()> {
-        // An empty input has nothing to write: every buffer, the scale grids too, is
-        // empty (mxfp8.rs `scale_shapes`), and a launch would still start one tile.
-        if m == 0 || k == 0 {
-            return Ok(());
-        }
-        let [qr, sr, qc, sc] = o.addrs(&dev)?;
+    // An empty input has nothing to write: every buffer, the scale grids too, is empty
+    // (mxfp8.rs `scale_shapes`).
+    o.launch_and_put_back(&dev, out, m == 0 || k == 0, |[qr, sr, qc, sc]| {
         let xa = device_addr(&dev, x)?;
         let mut params = Params::default();
         params.arg(&xa).arg(&mu).arg(&ku).arg(&max_rcp);
@@ -63,9 +58,7 @@ pub(crate) fn quantize_into(
         // quantizer), the data buffers [m, k] bytes, the scale buffers their padded
         // grids, or null (0); the kernels call pdl_first() before any memory access.
         unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut params) }
-    })();
-    o.put_back(out);
-    launched?;
+    })?;
     out.source_dtype = x.dtype();
     Ok(())
 }

@@ -297,29 +297,24 @@ pub(crate) fn quantize_into(
         None => Order::OverlapAmaxPass,
         Some(_) => Order::AfterPrevious,
     };
-    // The launch, with every buffer of `out` put back whatever it returns.
-    let launched = (|| -> Result<()> {
-        if cfg.grid_dim.0 == 0 {
-            // An empty input (m or k is 0): the row kernel's grid covers its tiles exactly
-            // and there are none (a launch of no CTAs is an error); the amax pass above
-            // wrote the amax, and every other buffer is empty.
-            return Ok(());
-        }
-        let (q_row, s_row, q_col, s_col) = (&o.q_row, &o.s_row, &o.q_col, &o.s_col);
-        let p = |t: &Option<Tensor>| t.as_ref().map_or(Ok(0), |t| device_addr(&dev, t));
-        let cols = |t: &Option<Tensor>| t.as_ref().map_or(0, |t| t.shape().dims()[1] as u64);
+    // An empty input (m or k is 0): the row kernel's grid covers its tiles exactly and
+    // there are none (a launch of no CTAs is an error); the amax pass above wrote the
+    // amax, and every other buffer is empty.
+    let empty = cfg.grid_dim.0 == 0;
+    let (s_row_cols, s_col_cols) = (Outputs::dims(&o.s_row)[1], Outputs::dims(&o.s_col)[1]);
+    let launched = o.launch_and_put_back(&dev, out, empty, |[q_row, s_row, q_col, s_col]| {
         let (amax_row, amax_col, amax_copy) = amaxes.addrs(&dev, rht)?;
         let args = Nvfp4Args {
             m: m as u64,
             k: k as u64,
             amax_row,
             amax_col,
-            q_row: p(q_row)?,
-            s_row: p(s_row)?,
-            s_row_cols: cols(s_row),
-            q_col: p(q_col)?,
-            s_col: p(s_col)?,
-            s_col_cols: cols(s_col),
+            q_row,
+            s_row,
+            s_row_cols,
+            q_col,
+            s_col,
+            s_col_cols,
             two_d: i32::from(two_d),
             rht: i32::from(rht),
             swizzled: i32::from(swizzled),
@@ -353,9 +348,8 @@ pub(crate) fn quantize_into(
         // (128x128 banded or 64x64) covering [m, k]. Every one reads nothing the amax pass
         // writes before pdl_wait(), and the amax pass ran last when there is no reduction.
         unsafe { launch_params(&dev, &f, cfg, OP, order, &mut params) }
-    })();
+    });
     amaxes.put_back(out);
-    o.put_back(out);
     launched?;
     out.source_dtype = x.dtype();
     Ok(())
