@@ -319,6 +319,8 @@ static void run_shape(u64 M, u64 K, int sms) {
         row(name, [&] { launch_tile<128, 128>(ctas, q, y, M, K, sp); });
         std::snprintf(name, sizeof name, "col tile 256x64, %d CTAs/SM", ctas);
         row(name, [&] { launch_tile<256, 64>(ctas, q, y, M, K, sp); });
+        std::snprintf(name, sizeof name, "col tile 128x256, %d CTAs/SM", ctas);
+        row(name, [&] { launch_tile<128, 256>(ctas, q, y, M, K, sp); });
     }
     row("col 16 down a column (until 12-04)", [&] { col_down<<<grid_1d(n / 16, sms), 256>>>(q, y, M, K, sp); });
     row("col reg 8x16 cover", [&] { col_reg<1><<<cover(n / 128), 256>>>(q, y, M, K, sp); });
@@ -421,7 +423,8 @@ static void run_nvfp4(u64 M, u64 K) {
     const auto q = d.q, sd = d.sd;
     const auto amax = d.amax;
     const auto y = d.y;
-    d.row("nvfp4 rows shipped", [&] { tessera_nvfp4_dequant_bf16<<<cover(n / 8), 256>>>(q, sd, amax, y, M, K, s_cols, 0); });
+    // The library's launch: DEQ_UNITS (2) units of 8 values a thread (dequant_units_grid).
+    d.row("nvfp4 rows shipped", [&] { tessera_nvfp4_dequant_bf16<<<cover(n / 16), 256>>>(q, sd, amax, y, M, K, s_cols, 0); });
     d.row("nvfp4 rows, 1 unit a thread", [&] { nv_rows<1><<<cover(n / 8), 256>>>(q, sd, amax, y, M, K, s_cols); });
     d.row("nvfp4 rows, 2 units a thread", [&] { nv_rows<2><<<cover(n / 16), 256>>>(q, sd, amax, y, M, K, s_cols); });
     d.row("nvfp4 rows, 4 units a thread", [&] { nv_rows<4><<<cover(n / 32), 256>>>(q, sd, amax, y, M, K, s_cols); });
@@ -429,17 +432,16 @@ static void run_nvfp4(u64 M, u64 K) {
 
 // ---- NVFP4 columnwise --------------------------------------------------------------------
 
-// nvfp4_dequant_cols (nvfp4.cu) with the tile TK q rows (output columns) by TM values: a
-// thread decodes one 16-block of each of 4 q rows (4 output columns) and stores its 16
-// output rows 8 bytes each; TK / 4 lanes share a block row, so a warp stores 8 * TK / 4
-// contiguous bytes of an output row (TK = 128: 256 bytes, 1 row; TK = 64, the shipped
-// tile: 128 bytes of each of 2 rows). bf16 output, no RHT, compact scales. Measured on
-// the H200 (2026-12-04; the shipped kernel then also held the inverse RHT, at 64
-// registers, against this copy's 40): 16384x8192 shipped 0.596 of a copy, 64 x 256 0.677,
-// 128 x 128 0.653, 256 x 64 0.629, 32 x 512 0.711; 4096x4096 0.677, 0.778, 0.678, 0.628,
-// 0.759. The shipped kernel now has an entry point without the RHT (NVFP4_DEQ_T_MINB in
-// nvfp4.cu for its numbers); this copy's lead over it is the swizzled-scale index it
-// leaves out.
+// The NVFP4 columnwise dequantizer before 2026-12-06 (nvfp4_dequant_cols_rht's map
+// without the RHT) with the tile TK q rows (output columns) by TM values: a thread decodes
+// one 16-block of each of 4 q rows (4 output columns) and stores its 16 output rows 8
+// bytes each; TK / 4 lanes share a block row, so a warp stores 8 * TK / 4 contiguous
+// bytes of an output row (TK = 128: 256 bytes, 1 row; TK = 64: 128 bytes of each of 2
+// rows). bf16 output, no RHT, compact scales. Measured on the H200 (2026-12-04; the
+// shipped kernel then also held the inverse RHT, at 64 registers, against this copy's
+// 40): 16384x8192 shipped 0.596 of a copy, 64 x 256 0.677, 128 x 128 0.653, 256 x 64
+// 0.629, 32 x 512 0.711; 4096x4096 0.677, 0.778, 0.678, 0.628, 0.759. On an H100
+// (2026-12-06, dequant-variants-h100-2026-12-06.txt) 64 x 256 0.820 / 0.831.
 template <int TK, int TM>
 __global__ void __launch_bounds__(256) nv_cols(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                                const float* __restrict__ amax, bf16* __restrict__ y, u64 m, u64 k,
@@ -482,6 +484,60 @@ __global__ void __launch_bounds__(256) nv_cols(const uint8_t* __restrict__ q, co
     for (int i = 0; i < 16; ++i) store_global8(out + i * k, out_v[i].u2);
 }
 
+// The 8x8 map (nvfp4_dequant_cols since 2026-12-06) with the tile TK q rows by TM
+// values and MINB CTAs per SM: a thread takes 8 q rows by one word (8 values) and stores
+// 8 output rows 16 bytes each; TK / 8 lanes share a word, so a warp writes 2 TK
+// contiguous bytes of each of 32 / (TK / 8) rows per store. H100, 16384x8192 /
+// 4096x4096 (dequant-variants-h100-2026-12-06.txt): 64 x 256 at 8 CTAs per SM (the
+// shipped tile) 0.832 / 0.988 of a copy, at 6 0.828 / 0.836, at 4 0.725 / 0.802;
+// 64 x 512 0.819 / 0.937; 128 x 256 0.853 / 0.902; 32 x 512 0.765 / 0.932.
+template <int TK, int TM, int MINB>
+__global__ void __launch_bounds__(256, MINB) nv_cols8(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+                                                      const float* __restrict__ amax, bf16* __restrict__ y, u64 m,
+                                                      u64 k, u64 s_cols) {
+    constexpr int ROW_WORDS = TM / 8, LK = TK / 8, PASSES = TK * TM / 64 / 256;
+    static_assert(TK % 8 == 0 && LK <= 16 && ROW_WORDS >= 32 && PASSES >= 1,
+                  "swz even (8-byte copies whole) and inside a row; whole passes");
+    __shared__ __align__(16) uint32_t tile[TK][ROW_WORDS];
+    auto swz = [](int j) { return (32 / LK) * ((j / 8) % LK); };
+    const u64 half_m = m / 2;
+    const uint32_t tm = (uint32_t)((m + TM - 1) / TM);
+    const u64 k0 = (u64)(blockIdx.x / tm) * TK, m0 = (u64)(blockIdx.x % tm) * TM;
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < TK * ROW_WORDS / 2 / 256; ++i) {
+        const int e = tid + 256 * i, j = e / (ROW_WORDS / 2), w2 = e % (ROW_WORDS / 2);
+        uint2 v = {0, 0};
+        if (k0 + j < k && m0 / 2 + 8 * w2 < half_m)
+            v = *reinterpret_cast<const uint2*>(q + (k0 + j) * half_m + m0 / 2 + 8 * w2);
+        *reinterpret_cast<uint2*>(&tile[j][(2 * w2) ^ swz(j)]) = v;
+    }
+    __syncthreads();
+    const float A = amax[0];
+#pragma unroll 1
+    for (int pass = 0; pass < PASSES; ++pass) {
+        const int idx = tid + 256 * pass, kg = idx % LK, mq = idx / LK;
+        const u64 c0 = k0 + 8 * kg, r0 = m0 + 8 * mq;
+        if (c0 >= k || r0 >= m) continue;
+        const uint8_t* sp = s + c0 * s_cols + r0 / 16;
+        uint32_t w[8];
+        float sc[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            w[j] = tile[8 * kg + j][mq ^ swz(8 * kg + j)];
+            sc[j] = nvfp4_decode_scale(sp[j * s_cols], A);
+        }
+        bf16* out = y + r0 * k + c0;
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+            float v[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(e2m1_value(w[j] >> (4 * b)), sc[j]);
+            store_vec<8>(out + b * k, v);
+        }
+    }
+}
+
 static void run_nvfp4_cols(u64 M, u64 K) {
     std::printf("== [%llu, %llu] nvfp4 columnwise -> bf16 (compact scales, no RHT)\n", (unsigned long long)M,
                 (unsigned long long)K);
@@ -491,13 +547,19 @@ static void run_nvfp4_cols(u64 M, u64 K) {
     const auto amax = d.amax;
     const auto y = d.y;
     auto tiles = [&](u64 tk, u64 tm) { return (unsigned)(((K + tk - 1) / tk) * ((M + tm - 1) / tm)); };
-    d.row("nvfp4 cols shipped (64 x 256)",
+    d.row("nvfp4 cols shipped (8x8 map, 64 x 256)",
           [&] { tessera_nvfp4_dequant_t_bf16<<<tiles(64, 256), 256>>>(q, sd, amax, y, M, K, s_cols, 0); });
     d.row("nvfp4 cols 64 x 256 (harness copy)",
           [&] { nv_cols<64, 256><<<tiles(64, 256), 256>>>(q, sd, amax, y, M, K, s_cols); });
     d.row("nvfp4 cols 128 x 128", [&] { nv_cols<128, 128><<<tiles(128, 128), 256>>>(q, sd, amax, y, M, K, s_cols); });
     d.row("nvfp4 cols 256 x 64", [&] { nv_cols<256, 64><<<tiles(256, 64), 256>>>(q, sd, amax, y, M, K, s_cols); });
     d.row("nvfp4 cols 32 x 512", [&] { nv_cols<32, 512><<<tiles(32, 512), 256>>>(q, sd, amax, y, M, K, s_cols); });
+    d.row("8x8 map 64 x 256, 8 CTAs/SM", [&] { nv_cols8<64, 256, 8><<<tiles(64, 256), 256>>>(q, sd, amax, y, M, K, s_cols); });
+    d.row("8x8 map 64 x 256, 6 CTAs/SM", [&] { nv_cols8<64, 256, 6><<<tiles(64, 256), 256>>>(q, sd, amax, y, M, K, s_cols); });
+    d.row("8x8 map 64 x 256, 4 CTAs/SM", [&] { nv_cols8<64, 256, 4><<<tiles(64, 256), 256>>>(q, sd, amax, y, M, K, s_cols); });
+    d.row("8x8 map 64 x 512, 8 CTAs/SM", [&] { nv_cols8<64, 512, 8><<<tiles(64, 512), 256>>>(q, sd, amax, y, M, K, s_cols); });
+    d.row("8x8 map 128 x 256, 8 CTAs/SM", [&] { nv_cols8<128, 256, 8><<<tiles(128, 256), 256>>>(q, sd, amax, y, M, K, s_cols); });
+    d.row("8x8 map 32 x 512, 8 CTAs/SM", [&] { nv_cols8<32, 512, 8><<<tiles(32, 512), 256>>>(q, sd, amax, y, M, K, s_cols); });
 }
 
 int main() {

@@ -1087,9 +1087,9 @@ template <> struct Vec4<float> {
     using type = uint4;
 };
 
-// The columnwise tile of nvfp4_dequant_cols: DEQ_TILE_K q rows (output columns) by
+// The columnwise dequantizers' tile: NVFP4_DEQ_TILE_K q rows (output columns) by
 // NVFP4_DEQ_TILE_M values along m (128 bytes of each q row).
-constexpr int NVFP4_DEQ_TILE_M = 256;
+constexpr int NVFP4_DEQ_TILE_K = 64, NVFP4_DEQ_TILE_M = 256;
 
 // value = e2m1 * ((e4m3 * A) * fp32(1/2688)); m % 16 == 0 and k % 16 == 0.
 
@@ -1122,41 +1122,107 @@ __device__ void nvfp4_dequant_rows(const uint8_t* __restrict__ q, const uint8_t*
         });
 }
 
-// Columnwise: q is the [k, m] transpose (m / 2 bytes a row), its 16-element blocks along
-// m, each inverse-transformed when Rht (its own entry point, so that the inverse RHT's
-// registers do not cap the occupancy of the common case; see NVFP4_DEQ_T_MINB). A CTA
-// of 256 threads per tile of 64 q rows by 256 values, ceil(k / 64) * ceil(m / 256) CTAs: the tile is copied into shared memory
-// (8-byte loads, 128 contiguous bytes a q row), then each thread decodes one block from
-// each of 4 q rows (4 output columns) and writes the block's 16 output rows, one 4-column
-// store a row (8 bytes of bf16 or f16, 16 of f32). Sixteen lanes take the 64 columns of
-// a block, so a warp stores 128 (256) contiguous bytes of each of 2 rows per instruction.
-template <class T, bool Rht>
-__device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
-                                   const float* __restrict__ amax, T* __restrict__ y, u64 m, u64 k,
-                                   u64 s_cols, int swizzled) {
-    // Row j of the tile holds its 128 bytes as 32 words, word w at w ^ swz(j): with
-    // swz(j) = 2 * ((j / 4) % 16) the 8-byte reads of a warp (16 four-row groups by 2
-    // blocks) take two wavefronts, the least 256 bytes need, and 8-byte copies stay aligned.
-    constexpr int TM = NVFP4_DEQ_TILE_M, ROW_WORDS = TM / 8;
-    __shared__ __align__(16) uint32_t tile[DEQ_TILE_K][ROW_WORDS];
-    auto swz = [](int j) { return 2 * ((j / 4) % 16); };
-    const u64 half_m = m / 2, tiles_m = (m + TM - 1) / TM;
-    // The launch has a CTA per tile, so tiles_m < 2^32.
-    const uint32_t tm = (uint32_t)tiles_m;
-    const u64 k0 = (u64)(blockIdx.x / tm) * DEQ_TILE_K, m0 = (u64)(blockIdx.x % tm) * TM;
-    const int tid = threadIdx.x;
+// The q rows and values of a columnwise dequantizer's CTA: tile (k0 / 64, m0 / 256), a
+// CTA per tile (so the count of tiles along m, ceil(m / 256), is below 2^32).
+struct DeqTile {
+    u64 k0, m0;
+};
+
+// Copies the CTA's tile of q ([k, m / 2] bytes; m % 16 == 0) into shared memory, word w of tile row j at w ^ swz(j) (swz even, so that 8-byte copies stay whole
+// and aligned), zeros past q's edges, and synchronises the CTA. 8-byte loads: a warp reads
+// 128 contiguous bytes of each of 2 q rows.
+template <class Swz>
+__device__ __forceinline__ DeqTile nvfp4_dequant_tile_load(const uint8_t* __restrict__ q, u64 m, u64 k,
+                                                           uint32_t (*tile)[NVFP4_DEQ_TILE_M / 8], Swz swz) {
+    constexpr int TK = NVFP4_DEQ_TILE_K, TM = NVFP4_DEQ_TILE_M, ROW_WORDS = TM / 8;
+    const u64 half_m = m / 2;
+    const uint32_t tm = (uint32_t)((m + TM - 1) / TM);
+    const DeqTile t{(u64)(blockIdx.x / tm) * TK, (u64)(blockIdx.x % tm) * TM};
 #pragma unroll
-    for (int i = 0; i < DEQ_TILE_K * ROW_WORDS / 2 / 256; ++i) {
-        const int e = tid + 256 * i, j = e / (ROW_WORDS / 2), w2 = e % (ROW_WORDS / 2);
+    for (int i = 0; i < TK * ROW_WORDS / 2 / 256; ++i) {
+        const int e = threadIdx.x + 256 * i, j = e / (ROW_WORDS / 2), w2 = e % (ROW_WORDS / 2);
         uint2 v = {0, 0};
         // m % 16 == 0: an 8-byte chunk is wholly inside a q row or wholly past it.
-        if (k0 + j < k && m0 / 2 + 8 * w2 < half_m)
-            v = *reinterpret_cast<const uint2*>(q + (k0 + j) * half_m + m0 / 2 + 8 * w2);
+        if (t.k0 + j < k && t.m0 / 2 + 8 * w2 < half_m)
+            v = *reinterpret_cast<const uint2*>(q + (t.k0 + j) * half_m + t.m0 / 2 + 8 * w2);
         *reinterpret_cast<uint2*>(&tile[j][(2 * w2) ^ swz(j)]) = v;
     }
     __syncthreads();
+    return t;
+}
+
+// Columnwise without the RHT: q is the [k, m] transpose (m / 2 bytes a row), its
+// 16-element blocks along m. A CTA of 256 threads per tile of 64 q rows by 256 values,
+// ceil(k / 64) * ceil(m / 256) CTAs: the tile is copied into shared memory (8-byte loads,
+// 128 contiguous bytes a q row), then each thread takes 8 q rows (output columns) by one
+// word of 8 values (output rows, half a block) and writes 8 output rows, one 16-byte
+// store a row (bf16, f16; two of f32): a warp's 8 lanes with the same word write 128
+// contiguous bytes of each of 4 rows per instruction. Its registers are few (the 8 words,
+// their 8 scales and a row's 8 values; 32 at 8 CTAs per SM), where a thread decoding
+// whole blocks of 4 q rows holds 16 rows of 4 outputs until it stores them 8 bytes a
+// time (the RHT kernel below, which needs whole blocks). On an H100 (bf16) it took 9.4%
+// off the time of that map at 16384x8192 and 17.7% at 4096x4096. Tiles of 128 q rows
+// (256 contiguous output bytes a row) were 3.2% faster at 16384x8192 and 33% slower at
+// 4096x4096, whose 512 CTAs then fill half of the card's 8 a SM
+// (bench/cuda/dequant_variants.cu, DQ_NVFP4_COLS=1; BENCHMARKS.md).
+template <class T>
+__device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+                                   const float* __restrict__ amax, T* __restrict__ y, u64 m, u64 k,
+                                   u64 s_cols, int swizzled) {
+    // Row j of the tile holds its 128 bytes as 32 words, word w at w ^ swz(j): a warp
+    // reads one word of each of 8 eight-row groups by 4 words at once (below), and with
+    // swz(j) = 4 * ((j / 8) % 8) those sit in 32 different banks.
+    constexpr int TK = NVFP4_DEQ_TILE_K, TM = NVFP4_DEQ_TILE_M, LK = TK / 8, ROW_WORDS = TM / 8;
+    static_assert(LK == 8 && ROW_WORDS == 32 && TK * TM == 64 * 256, "swz spreads 8 eight-row groups by 4 words "
+                                                                      "over 32 banks; a thread per 8 x 8 values");
+    __shared__ __align__(16) uint32_t tile[TK][ROW_WORDS];
+    auto swz = [](int j) { return 4 * ((j / 8) % 8); };
+    const DeqTile t = nvfp4_dequant_tile_load(q, m, k, tile, swz);
+    const int kg = threadIdx.x % LK, mq = threadIdx.x / LK;  // q rows 8 kg .. + 7, word mq
+    const u64 c0 = t.k0 + 8 * kg, r0 = t.m0 + 8 * mq;
+    // k % 16 == 0 and m % 16 == 0: the 8 columns and the 8 rows are wholly in or out.
+    if (c0 >= k || r0 >= m) return;
+    const float A = amax[0];
+    // The 8 scale bytes: rows c0 .. c0 + 7 of the grid (c0 % 8 == 0), one column; in the
+    // swizzled layout they are 16 bytes apart (swizzled_index).
+    const uint8_t* sp = s + scale_index(c0, r0 / 16, s_cols, swizzled);
+    const u64 s_step = swizzled ? 16 : s_cols;
+    uint32_t w[8];
+    float sc[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        w[j] = tile[8 * kg + j][mq ^ swz(8 * kg + j)];
+        sc[j] = nvfp4_decode_scale(sp[j * s_step], A);
+    }
+    T* out = y + r0 * k + c0;
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(e2m1_value(w[j] >> (4 * b)), sc[j]);
+        store_vec<8>(out + b * k, v);
+    }
+}
+
+// Columnwise with the RHT: each block inverse-transformed. The plain kernel's tiles and
+// load; each thread decodes one block from each of 4 q rows (4 output columns)
+// and writes the block's 16 output rows, one 4-column store a row (8 bytes of bf16 or
+// f16, 16 of f32). Sixteen lanes take the 64 columns of a block, so a warp stores 128
+// (256) contiguous bytes of each of 2 rows per instruction. Its own entry point, so that
+// the inverse RHT's registers do not cap the occupancy of the plain kernel.
+template <class T>
+__device__ void nvfp4_dequant_cols_rht(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+                                       const float* __restrict__ amax, T* __restrict__ y, u64 m, u64 k,
+                                       u64 s_cols, int swizzled) {
+    // Row j of the tile holds its 128 bytes as 32 words, word w at w ^ swz(j): with
+    // swz(j) = 2 * ((j / 4) % 16) the 8-byte reads of a warp (16 four-row groups by 2
+    // blocks) take two wavefronts, the least 256 bytes need.
+    __shared__ __align__(16) uint32_t tile[NVFP4_DEQ_TILE_K][NVFP4_DEQ_TILE_M / 8];
+    auto swz = [](int j) { return 2 * ((j / 4) % 16); };
+    const DeqTile t = nvfp4_dequant_tile_load(q, m, k, tile, swz);
+    const int tid = threadIdx.x;
     const int kg = tid % 16, mb = tid / 16;  // q rows 4 kg .. + 3, the 16-block mb of the tile
-    const u64 c0 = k0 + 4 * kg, r0 = m0 + 16 * mb;
+    const u64 c0 = t.k0 + 4 * kg, r0 = t.m0 + 16 * mb;
     if (c0 >= k || r0 >= m) return;  // k % 16 == 0: the 4 columns are wholly in or out
     const float A = amax[0];
     // 4 outputs of a row: 8 bytes of bf16/f16 (a union with a 16-byte member would
@@ -1170,12 +1236,7 @@ __device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t*
         const uint2 w = *reinterpret_cast<const uint2*>(&tile[4 * kg + j][(2 * mb) ^ swz(4 * kg + j)]);
         float v[16], o[16];
         e2m1x16_values(w, nvfp4_decode_scale(s[scale_index(c0 + j, r0 / 16, s_cols, swizzled)], A), v);
-        if constexpr (Rht) {
-            inverse_rht16(v, o);
-        } else {
-#pragma unroll
-            for (int t = 0; t < 16; ++t) o[t] = v[t];
-        }
+        inverse_rht16(v, o);
 #pragma unroll
         for (int i = 0; i < 16; ++i) out_v[i].e[j] = In<T>::from(o[i]);
     }
@@ -1190,13 +1251,14 @@ __device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t*
     }
 }
 
-// CTAs per SM the columnwise dequantizer without the RHT is built for (2-byte outputs):
-// 5 gives it 48 registers without spills. On an H200 (bf16, 16384x8192 / 4096x4096) it
-// ran at 0.641 / 0.713 of a copy, 6 (40 registers, 16 bytes spilled) at 0.653 / 0.700, 8
-// at 0.532 / 0.585, and no bound (80 registers) at 0.546 / 0.623; the kernel with the
-// RHT code in it took 0.596 / 0.677 (bench/cuda/dequant_variants.cu, DQ_NVFP4_COLS=1).
+// CTAs per SM the columnwise dequantizer without the RHT is built for: 8 (the most 256
+// threads allow) gives it 32 registers without spills for every output type. On an H100
+// (bf16, tiles of 64 q rows) 8 and 6 ran alike (0.832 and 0.830 of a copy at 16384x8192),
+// 4 (63 registers) at 0.727. The kernel before it, which decoded whole blocks as the RHT
+// kernel does, was built for 5 (48 registers; on an H200 0.641 / 0.713 of a copy at
+// 16384x8192 / 4096x4096).
 #ifndef NVFP4_DEQ_T_MINB
-#define NVFP4_DEQ_T_MINB 5
+#define NVFP4_DEQ_T_MINB 8
 #endif
 #define NVFP4_DEQUANT(SUFFIX, T)                                                                 \
     extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_dequant_##SUFFIX(             \
@@ -1205,18 +1267,18 @@ __device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t*
         pdl_first();                                                                              \
         nvfp4_dequant_rows<T>(q, s, amax, y, m, k, s_cols, swizzled);                             \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 1 : NVFP4_DEQ_T_MINB)      \
+    extern "C" __global__ void __launch_bounds__(256, NVFP4_DEQ_T_MINB)                          \
         tessera_nvfp4_dequant_t_##SUFFIX(                                                         \
         const uint8_t* q, const uint8_t* s, const float* amax, T* y, u64 m, u64 k, u64 s_cols,    \
         int swizzled) {                                                                           \
         pdl_first();                                                                              \
-        nvfp4_dequant_cols<T, false>(q, s, amax, y, m, k, s_cols, swizzled);                      \
+        nvfp4_dequant_cols<T>(q, s, amax, y, m, k, s_cols, swizzled);                      \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_dequant_t_rht_##SUFFIX(       \
         const uint8_t* q, const uint8_t* s, const float* amax, T* y, u64 m, u64 k, u64 s_cols,    \
         int swizzled) {                                                                           \
         pdl_first();                                                                              \
-        nvfp4_dequant_cols<T, true>(q, s, amax, y, m, k, s_cols, swizzled);                       \
+        nvfp4_dequant_cols_rht<T>(q, s, amax, y, m, k, s_cols, swizzled);                       \
     }
 NVFP4_DEQUANT(f32, float)
 NVFP4_DEQUANT(bf16, __nv_bfloat16)

@@ -3,7 +3,7 @@
 use tessera_core::{Result, Tensor};
 
 use super::{
-    BLOCK_PTX, FP8_DEQ_TILE_M, Order, Outputs, Params, dequant_addrs, dequant_cols_grid,
+    BLOCK_PTX, FP8_DEQ_TILE, Order, Outputs, Params, dequant_addrs, dequant_cols_grid,
     dequant_units_grid, dequant_vals, device_addr, device_of, dtype_suffix, format_suffix,
     launch_params, tile_grid,
 };
@@ -114,7 +114,7 @@ pub(crate) fn dequantize(
     // Columnwise a CTA per 64x256 tile of the stored [k, m]; rowwise two units a thread
     // (each striding per element where the stored rows do not split into vectors).
     let cfg = if columnwise {
-        dequant_cols_grid(m, k, FP8_DEQ_TILE_M)?
+        dequant_cols_grid(m, k, FP8_DEQ_TILE)?
     } else {
         dequant_units_grid((m * k).div_ceil(dequant_vals(dtype)))?
     };

@@ -5,7 +5,7 @@ use tessera_core::cuda::{CudaDevice, CudaResultExt, grid_1d};
 use tessera_core::{DType, Device, Error, Result, Tensor};
 
 use super::{
-    BLOCK, FP8_DEQ_TILE_M, FP8_PTX, Order, Params, amax_target, clear_amaxes, dequant_addrs,
+    BLOCK, FP8_DEQ_TILE, FP8_PTX, Order, Params, amax_target, clear_amaxes, dequant_addrs,
     dequant_cols_grid, dequant_units_grid, dequant_vals, device_addr, device_addr_mut, device_of,
     dtype_suffix, format_suffix, launch_params, tile_grid,
 };
@@ -240,7 +240,7 @@ pub(crate) fn dequantize_transposed(
     )?;
     let (mu, ku) = (m as u64, k as u64);
     // A CTA per 64x256 tile of the stored [k, m] (striding per element when m % 16 != 0).
-    let cfg = dequant_cols_grid(m, k, FP8_DEQ_TILE_M)?;
+    let cfg = dequant_cols_grid(m, k, FP8_DEQ_TILE)?;
     let [qa, sa, ya] = dequant_addrs(&dev, qt, scale_inv, y)?;
     let mut p = Params::default();
     p.arg(&qa).arg(&ya).arg(&mu).arg(&ku).arg(&sa);

@@ -19,17 +19,17 @@ pub(crate) fn dequant_units_grid(units: usize) -> Result<LaunchConfig> {
 }
 
 /// The launch of a columnwise dequantizer that reads its stored `[k, m]` operand in tiles
-/// of 64 stored rows by `tile_m` elements along `m`, a CTA per tile: `fp8_dequant_cols`
-/// ([`FP8_DEQ_TILE_M`]) and NVFP4's ([`NVFP4_DEQ_TILE_M`]).
-pub(crate) fn dequant_cols_grid(m: usize, k: usize, tile_m: usize) -> Result<LaunchConfig> {
+/// of `tile[0]` stored rows by `tile[1]` elements along `m`, a CTA per tile:
+/// `fp8_dequant_cols` ([`FP8_DEQ_TILE`]) and NVFP4's ([`NVFP4_DEQ_TILE`]).
+pub(crate) fn dequant_cols_grid(m: usize, k: usize, tile: [usize; 2]) -> Result<LaunchConfig> {
     // The stored operand is [k, m]: its row-major tiles are what the kernels map blockIdx to.
-    tile_grid("cuda dequantize columnwise", k, m, 64, tile_m)
+    tile_grid("cuda dequantize columnwise", k, m, tile[0], tile[1])
 }
 
-/// `DEQ_TILE_M` in `common.cuh`.
-pub(crate) const FP8_DEQ_TILE_M: usize = 256;
-/// `NVFP4_DEQ_TILE_M` in `nvfp4.cu`.
-pub(crate) const NVFP4_DEQ_TILE_M: usize = 256;
+/// `[DEQ_TILE_K, DEQ_TILE_M]` in `common.cuh`.
+pub(crate) const FP8_DEQ_TILE: [usize; 2] = [64, 256];
+/// `[NVFP4_DEQ_TILE_K, NVFP4_DEQ_TILE_M]` in `nvfp4.cu`.
+pub(crate) const NVFP4_DEQ_TILE: [usize; 2] = [64, 256];
 
 /// `blocks` CTAs of `BLOCK` threads on a 1-D grid, refused past the grid's limit of
 /// 2^31 - 1 CTAs in x (the kernels launched this way do not stride, so a capped grid would
@@ -151,15 +151,15 @@ mod tests {
         }
         // No work still launches one CTA (the per-tensor kernel's tail needs threads).
         assert_eq!(dequant_units_grid(0).unwrap().grid_dim, (1, 1, 1));
-        // A CTA per tile of 64 stored rows by `tile_m`, ragged edges rounded up.
+        // A CTA per tile of the stored operand, ragged edges rounded up.
         assert_eq!(
-            dequant_cols_grid(16384, 8192, FP8_DEQ_TILE_M)
+            dequant_cols_grid(16384, 8192, FP8_DEQ_TILE)
                 .unwrap()
                 .grid_dim,
             (128 * 64, 1, 1)
         );
         assert_eq!(
-            dequant_cols_grid(6176, 4192, NVFP4_DEQ_TILE_M)
+            dequant_cols_grid(6176, 4192, NVFP4_DEQ_TILE)
                 .unwrap()
                 .grid_dim,
             (66 * 25, 1, 1)
@@ -174,7 +174,7 @@ mod tests {
             (i32::MAX as u32, 1, 1)
         );
         assert!(dequant_units_grid((i32::MAX as usize + 1) * per_cta).is_err());
-        assert!(dequant_cols_grid(1 << 40, 1 << 20, FP8_DEQ_TILE_M).is_err());
+        assert!(dequant_cols_grid(1 << 40, 1 << 20, FP8_DEQ_TILE).is_err());
         let e = dequant_units_grid(1 << 45).unwrap_err();
         assert!(matches!(e, Error::Shape { .. }), "{e}");
         assert!(e.to_string().contains("exceed the launch grid"), "{e}");

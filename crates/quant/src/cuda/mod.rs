@@ -46,8 +46,8 @@ pub(crate) use buffers::{
     Outputs, amax_target, clear_amaxes, dequant_addrs, device_addr, device_addr_mut, device_of,
 };
 pub(crate) use grid::{
-    FP8_DEQ_TILE_M, NVFP4_DEQ_TILE_M, banded_grid, dequant_cols_grid, dequant_units_grid,
-    tile_grid, tiles_64,
+    FP8_DEQ_TILE, NVFP4_DEQ_TILE, banded_grid, dequant_cols_grid, dequant_units_grid, tile_grid,
+    tiles_64,
 };
 pub(crate) use launch::{Order, Params, launch_params};
 

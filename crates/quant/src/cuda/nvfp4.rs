@@ -8,7 +8,7 @@ use tessera_core::{DType, Error, Result, Tensor};
 use tessera_rng::Generator;
 
 use super::{
-    BLOCK, NVFP4_DEQ_TILE_M, NVFP4_PTX, Order, Outputs, Params, amax_target, banded_grid,
+    BLOCK, NVFP4_DEQ_TILE, NVFP4_PTX, Order, Outputs, Params, amax_target, banded_grid,
     clear_amaxes, dequant_addrs, dequant_cols_grid, dequant_units_grid, dequant_vals, device_addr,
     device_of, dtype_suffix, launch_params, tile_grid,
 };
@@ -386,7 +386,7 @@ pub(crate) fn dequantize(
     // columnwise a CTA per tile of the transposed data, with or without the inverse RHT
     // (separate entry points).
     let cfg = if columnwise {
-        dequant_cols_grid(m, k, NVFP4_DEQ_TILE_M)?
+        dequant_cols_grid(m, k, NVFP4_DEQ_TILE)?
     } else {
         dequant_units_grid(m * k / dequant_vals(dtype))?
     };
