@@ -450,19 +450,9 @@ __global__ void __launch_bounds__(256) nv_cols(const uint8_t* __restrict__ q, co
     static_assert(LK * (TM / 16) == 256, "a thread per (4 q rows, 16-block)");
     __shared__ __align__(16) uint32_t tile[TK][ROW_WORDS];
     auto swz = [](int j) { return 2 * ((j / 4) % (TM / 16)); };
-    const u64 half_m = m / 2;
-    const uint32_t tm = (uint32_t)((m + TM - 1) / TM);
-    const u64 k0 = (u64)(blockIdx.x / tm) * TK, m0 = (u64)(blockIdx.x % tm) * TM;
+    const DeqTile t = nvfp4_dequant_tile_load<TK, TM>(q, m, k, tile, swz);
+    const u64 k0 = t.k0, m0 = t.m0;
     const int tid = threadIdx.x;
-#pragma unroll
-    for (int i = 0; i < TK * ROW_WORDS / 2 / 256; ++i) {
-        const int e = tid + 256 * i, j = e / (ROW_WORDS / 2), w2 = e % (ROW_WORDS / 2);
-        uint2 v = {0, 0};
-        if (k0 + j < k && m0 / 2 + 8 * w2 < half_m)
-            v = *reinterpret_cast<const uint2*>(q + (k0 + j) * half_m + m0 / 2 + 8 * w2);
-        *reinterpret_cast<uint2*>(&tile[j][(2 * w2) ^ swz(j)]) = v;
-    }
-    __syncthreads();
     const int kg = tid % LK, mb = tid / LK;
     const u64 c0 = k0 + 4 * kg, r0 = m0 + 16 * mb;
     if (c0 >= k || r0 >= m) return;
@@ -484,58 +474,19 @@ __global__ void __launch_bounds__(256) nv_cols(const uint8_t* __restrict__ q, co
     for (int i = 0; i < 16; ++i) store_global8(out + i * k, out_v[i].u2);
 }
 
-// The 8x8 map (nvfp4_dequant_cols since 2026-12-06) with the tile TK q rows by TM
-// values and MINB CTAs per SM: a thread takes 8 q rows by one word (8 values) and stores
-// 8 output rows 16 bytes each; TK / 8 lanes share a word, so a warp writes 2 TK
-// contiguous bytes of each of 32 / (TK / 8) rows per store. H100, 16384x8192 /
-// 4096x4096 (dequant-variants-h100-2026-12-06.txt): 64 x 256 at 8 CTAs per SM (the
-// shipped tile) 0.832 / 0.988 of a copy, at 6 0.828 / 0.836, at 4 0.725 / 0.802;
-// 64 x 512 0.819 / 0.937; 128 x 256 0.853 / 0.902; 32 x 512 0.765 / 0.932.
+// The library's 8x8 map (nvfp4_dequant_cols, since 2026-12-06) instantiated with the
+// tile TK q rows by TM values and MINB CTAs per SM: a thread takes 8 q rows by one word
+// (8 values) and stores 8 output rows 16 bytes each; TK / 8 lanes share a word, so a
+// warp writes 2 TK contiguous bytes of each of 32 / (TK / 8) rows per store. H100,
+// 16384x8192 / 4096x4096 (dequant-variants-h100-2026-12-06.txt, from a copy of the
+// kernel here that read compact scales only): 64 x 256 at 8 CTAs per SM (the library's
+// tile) 0.832 / 0.988 of a copy, at 6 0.828 / 0.836, at 4 0.725 / 0.802; 64 x 512
+// 0.819 / 0.937; 128 x 256 0.853 / 0.902; 32 x 512 0.765 / 0.932.
 template <int TK, int TM, int MINB>
 __global__ void __launch_bounds__(256, MINB) nv_cols8(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                                       const float* __restrict__ amax, bf16* __restrict__ y, u64 m,
                                                       u64 k, u64 s_cols) {
-    constexpr int ROW_WORDS = TM / 8, LK = TK / 8, PASSES = TK * TM / 64 / 256;
-    static_assert(TK % 8 == 0 && LK <= 16 && ROW_WORDS >= 32 && PASSES >= 1,
-                  "swz even (8-byte copies whole) and inside a row; whole passes");
-    __shared__ __align__(16) uint32_t tile[TK][ROW_WORDS];
-    auto swz = [](int j) { return (32 / LK) * ((j / 8) % LK); };
-    const u64 half_m = m / 2;
-    const uint32_t tm = (uint32_t)((m + TM - 1) / TM);
-    const u64 k0 = (u64)(blockIdx.x / tm) * TK, m0 = (u64)(blockIdx.x % tm) * TM;
-    const int tid = threadIdx.x;
-#pragma unroll
-    for (int i = 0; i < TK * ROW_WORDS / 2 / 256; ++i) {
-        const int e = tid + 256 * i, j = e / (ROW_WORDS / 2), w2 = e % (ROW_WORDS / 2);
-        uint2 v = {0, 0};
-        if (k0 + j < k && m0 / 2 + 8 * w2 < half_m)
-            v = *reinterpret_cast<const uint2*>(q + (k0 + j) * half_m + m0 / 2 + 8 * w2);
-        *reinterpret_cast<uint2*>(&tile[j][(2 * w2) ^ swz(j)]) = v;
-    }
-    __syncthreads();
-    const float A = amax[0];
-#pragma unroll 1
-    for (int pass = 0; pass < PASSES; ++pass) {
-        const int idx = tid + 256 * pass, kg = idx % LK, mq = idx / LK;
-        const u64 c0 = k0 + 8 * kg, r0 = m0 + 8 * mq;
-        if (c0 >= k || r0 >= m) continue;
-        const uint8_t* sp = s + c0 * s_cols + r0 / 16;
-        uint32_t w[8];
-        float sc[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            w[j] = tile[8 * kg + j][mq ^ swz(8 * kg + j)];
-            sc[j] = nvfp4_decode_scale(sp[j * s_cols], A);
-        }
-        bf16* out = y + r0 * k + c0;
-#pragma unroll
-        for (int b = 0; b < 8; ++b) {
-            float v[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(e2m1_value(w[j] >> (4 * b)), sc[j]);
-            store_vec<8>(out + b * k, v);
-        }
-    }
+    nvfp4_dequant_cols<bf16, TK, TM>(q, s, amax, y, m, k, s_cols, 0);
 }
 
 static void run_nvfp4_cols(u64 M, u64 K) {

@@ -1122,19 +1122,21 @@ __device__ void nvfp4_dequant_rows(const uint8_t* __restrict__ q, const uint8_t*
         });
 }
 
-// The q rows and values of a columnwise dequantizer's CTA: tile (k0 / 64, m0 / 256), a
-// CTA per tile (so the count of tiles along m, ceil(m / 256), is below 2^32).
+// The q rows and values of a columnwise dequantizer's CTA: tile (k0 / TK, m0 / TM), a CTA
+// per tile (so the count of tiles along m, ceil(m / TM), is below 2^32).
 struct DeqTile {
     u64 k0, m0;
 };
 
-// Copies the CTA's tile of q ([k, m / 2] bytes; m % 16 == 0) into shared memory, word w of tile row j at w ^ swz(j) (swz even, so that 8-byte copies stay whole
-// and aligned), zeros past q's edges, and synchronises the CTA. 8-byte loads: a warp reads
-// 128 contiguous bytes of each of 2 q rows.
-template <class Swz>
+// Copies the CTA's TK x TM tile of q ([k, m / 2] bytes; m % 16 == 0) into shared memory,
+// word w of tile row j at w ^ swz(j) (swz even, so that 8-byte copies stay whole and
+// aligned), zeros past q's edges, and synchronises the CTA. 8-byte loads: a warp reads
+// 256 contiguous bytes of q, TM / 2 bytes of each q row.
+template <int TK, int TM, class Swz>
 __device__ __forceinline__ DeqTile nvfp4_dequant_tile_load(const uint8_t* __restrict__ q, u64 m, u64 k,
-                                                           uint32_t (*tile)[NVFP4_DEQ_TILE_M / 8], Swz swz) {
-    constexpr int TK = NVFP4_DEQ_TILE_K, TM = NVFP4_DEQ_TILE_M, ROW_WORDS = TM / 8;
+                                                           uint32_t (*tile)[TM / 8], Swz swz) {
+    constexpr int ROW_WORDS = TM / 8;
+    static_assert(TK * ROW_WORDS % 512 == 0, "whole 8-byte copies for each of 256 threads");
     const u64 half_m = m / 2;
     const uint32_t tm = (uint32_t)((m + TM - 1) / TM);
     const DeqTile t{(u64)(blockIdx.x / tm) * TK, (u64)(blockIdx.x % tm) * TM};
@@ -1152,56 +1154,63 @@ __device__ __forceinline__ DeqTile nvfp4_dequant_tile_load(const uint8_t* __rest
 }
 
 // Columnwise without the RHT: q is the [k, m] transpose (m / 2 bytes a row), its
-// 16-element blocks along m. A CTA of 256 threads per tile of 64 q rows by 256 values,
-// ceil(k / 64) * ceil(m / 256) CTAs: the tile is copied into shared memory (8-byte loads,
-// 128 contiguous bytes a q row), then each thread takes 8 q rows (output columns) by one
-// word of 8 values (output rows, half a block) and writes 8 output rows, one 16-byte
-// store a row (bf16, f16; two of f32): a warp's 8 lanes with the same word write 128
-// contiguous bytes of each of 4 rows per instruction. Its registers are few (the 8 words,
-// their 8 scales and a row's 8 values; 32 at 8 CTAs per SM), where a thread decoding
-// whole blocks of 4 q rows holds 16 rows of 4 outputs until it stores them 8 bytes a
-// time (the RHT kernel below, which needs whole blocks). On an H100 (bf16) it took 9.4%
-// off the time of that map at 16384x8192 and 17.7% at 4096x4096. Tiles of 128 q rows
-// (256 contiguous output bytes a row) were 3.2% faster at 16384x8192 and 33% slower at
-// 4096x4096, whose 512 CTAs then fill half of the card's 8 a SM
-// (bench/cuda/dequant_variants.cu, DQ_NVFP4_COLS=1; BENCHMARKS.md).
-template <class T>
+// 16-element blocks along m. A CTA of 256 threads per tile of TK q rows by TM values
+// (the library: 64 by 256), ceil(k / TK) * ceil(m / TM) CTAs: the tile is copied into
+// shared memory (8-byte loads, TM / 2 contiguous bytes a q row), then each thread takes
+// 8 q rows (output columns) by one word of 8 values (output rows, half a block) and
+// writes 8 output rows, one 16-byte store a row (bf16, f16; two of f32): a warp's TK / 8
+// lanes with the same word write 2 TK contiguous bytes of bf16 (128 in the library) of
+// each of 256 / TK rows per instruction. Its registers are few (the 8 words, their 8
+// scales and a row's 8 values; 32 at 8 CTAs per SM), where a thread decoding whole
+// blocks of 4 q rows holds 16 rows of 4 outputs until it stores them 8 bytes a time (the
+// RHT kernel below, which needs whole blocks). On an H100 (bf16) it took 9.3% off the
+// time of that map at 16384x8192 and 17.9% at 4096x4096. Tiles of 128 q rows were 3.2%
+// faster at 16384x8192 and 33% slower at 4096x4096, whose 512 CTAs then fill half of the
+// card's 8 a SM (bench/cuda/dequant_variants.cu instantiates other tiles;
+// BENCHMARKS.md).
+template <class T, int TK = NVFP4_DEQ_TILE_K, int TM = NVFP4_DEQ_TILE_M>
 __device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                    const float* __restrict__ amax, T* __restrict__ y, u64 m, u64 k,
                                    u64 s_cols, int swizzled) {
-    // Row j of the tile holds its 128 bytes as 32 words, word w at w ^ swz(j): a warp
-    // reads one word of each of 8 eight-row groups by 4 words at once (below), and with
-    // swz(j) = 4 * ((j / 8) % 8) those sit in 32 different banks.
-    constexpr int TK = NVFP4_DEQ_TILE_K, TM = NVFP4_DEQ_TILE_M, LK = TK / 8, ROW_WORDS = TM / 8;
-    static_assert(LK == 8 && ROW_WORDS == 32 && TK * TM == 64 * 256, "swz spreads 8 eight-row groups by 4 words "
-                                                                      "over 32 banks; a thread per 8 x 8 values");
+    // Row j of the tile holds its TM / 8 words, word w at w ^ swz(j): a warp reads one word
+    // of each of LK eight-row groups by 32 / LK words at once (below), and with
+    // swz(j) = (32 / LK) * ((j / 8) % LK) those sit in 32 different banks (rows of 32
+    // words or more start in bank 0).
+    constexpr int LK = TK / 8, ROW_WORDS = TM / 8, PASSES = TK * TM / 64 / 256;
+    static_assert(TK % 8 == 0 && LK <= 16 && ROW_WORDS >= 32 && PASSES >= 1,
+                  "swz even and inside a row, a thread per 8 x 8 values in whole passes");
     __shared__ __align__(16) uint32_t tile[TK][ROW_WORDS];
-    auto swz = [](int j) { return 4 * ((j / 8) % 8); };
-    const DeqTile t = nvfp4_dequant_tile_load(q, m, k, tile, swz);
-    const int kg = threadIdx.x % LK, mq = threadIdx.x / LK;  // q rows 8 kg .. + 7, word mq
-    const u64 c0 = t.k0 + 8 * kg, r0 = t.m0 + 8 * mq;
-    // k % 16 == 0 and m % 16 == 0: the 8 columns and the 8 rows are wholly in or out.
-    if (c0 >= k || r0 >= m) return;
+    auto swz = [](int j) { return (32 / LK) * ((j / 8) % LK); };
+    const DeqTile t = nvfp4_dequant_tile_load<TK, TM>(q, m, k, tile, swz);
     const float A = amax[0];
-    // The 8 scale bytes: rows c0 .. c0 + 7 of the grid (c0 % 8 == 0), one column; in the
-    // swizzled layout they are 16 bytes apart (swizzled_index).
-    const uint8_t* sp = s + scale_index(c0, r0 / 16, s_cols, swizzled);
-    const u64 s_step = swizzled ? 16 : s_cols;
-    uint32_t w[8];
-    float sc[8];
+    // Piece i's 8 x 8 values.
+    auto piece = [&](uint32_t i) {
+        const int kg = (int)(i % LK), mq = (int)(i / LK);  // q rows 8 kg .. + 7, word mq
+        const u64 c0 = t.k0 + 8 * kg, r0 = t.m0 + 8 * mq;
+        // k % 16 == 0 and m % 16 == 0: the 8 columns and the 8 rows are wholly in or out.
+        if (c0 >= k || r0 >= m) return;
+        // The 8 scale bytes: rows c0 .. c0 + 7 of the grid (c0 % 8 == 0), one column; in
+        // the swizzled layout they are 16 bytes apart (swizzled_index).
+        const uint8_t* sp = s + scale_index(c0, r0 / 16, s_cols, swizzled);
+        const u64 s_step = swizzled ? 16 : s_cols;
+        uint32_t w[8];
+        float sc[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        w[j] = tile[8 * kg + j][mq ^ swz(8 * kg + j)];
-        sc[j] = nvfp4_decode_scale(sp[j * s_step], A);
-    }
-    T* out = y + r0 * k + c0;
+        for (int j = 0; j < 8; ++j) {
+            w[j] = tile[8 * kg + j][mq ^ swz(8 * kg + j)];
+            sc[j] = nvfp4_decode_scale(sp[j * s_step], A);
+        }
+        T* out = y + r0 * k + c0;
 #pragma unroll
-    for (int b = 0; b < 8; ++b) {
-        float v[8];
+        for (int b = 0; b < 8; ++b) {
+            float v[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(e2m1_value(w[j] >> (4 * b)), sc[j]);
-        store_vec<8>(out + b * k, v);
-    }
+            for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(e2m1_value(w[j] >> (4 * b)), sc[j]);
+            store_vec<8>(out + b * k, v);
+        }
+    };
+#pragma unroll 1
+    for (uint32_t pass = 0; pass < PASSES; ++pass) piece(threadIdx.x + 256 * pass);
 }
 
 // Columnwise with the RHT: each block inverse-transformed. The plain kernel's tiles and
@@ -1219,7 +1228,7 @@ __device__ void nvfp4_dequant_cols_rht(const uint8_t* __restrict__ q, const uint
     // blocks) take two wavefronts, the least 256 bytes need.
     __shared__ __align__(16) uint32_t tile[NVFP4_DEQ_TILE_K][NVFP4_DEQ_TILE_M / 8];
     auto swz = [](int j) { return 2 * ((j / 4) % 16); };
-    const DeqTile t = nvfp4_dequant_tile_load(q, m, k, tile, swz);
+    const DeqTile t = nvfp4_dequant_tile_load<NVFP4_DEQ_TILE_K, NVFP4_DEQ_TILE_M>(q, m, k, tile, swz);
     const int tid = threadIdx.x;
     const int kg = tid % 16, mb = tid / 16;  // q rows 4 kg .. + 3, the 16-block mb of the tile
     const u64 c0 = t.k0 + 4 * kg, r0 = t.m0 + 16 * mb;
