@@ -241,6 +241,17 @@ static void launch_tile(int ctas, const uint8_t* q, bf16* y, u64 m, u64 k, const
     col_tile<TK, TM><<<(unsigned)((m / TM) * (k / TK)), 256, smem>>>(q, y, m, k, sp);
 }
 
+// The library's fp8_dequant_cols with tiles of TK q rows by 256 bytes, at MINB CTAs per SM
+// (the library instantiates TK = 64: the "col shipped" row; 32 KiB tiles fit 6 CTAs an
+// SM).
+template <int TK, int MINB>
+__global__ void __launch_bounds__(256, MINB) col_lib(const uint8_t* __restrict__ q, bf16* __restrict__ y, u64 m, u64 k,
+                                                     const float* __restrict__ sp) {
+    const float s = *sp;
+    auto scale = [=](u64, u64) { return s; };
+    fp8_dequant_cols<bf16, true, decltype(scale), TK>(q, y, m, k, scale);
+}
+
 __global__ void __launch_bounds__(256) copy16(const uint4* __restrict__ a, uint4* __restrict__ b, u64 n) {
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) b[i] = a[i];
@@ -307,6 +318,9 @@ static void run_shape(u64 M, u64 K, int sms) {
     // columnwise: q holds the [K, M] transpose
     const unsigned tiles = (unsigned)(((K + 63) / 64) * ((M + 255) / 256));
     row("col shipped (shared-memory tiles)", [&] { tessera_fp8_dequant_t_bf16_e4m3<<<tiles, 256>>>(q, y, M, K, sp); });
+    const unsigned tall_tiles = (unsigned)(((K + 127) / 128) * ((M + 255) / 256));
+    row("col library 128x256, 6 CTAs/SM", [&] { col_lib<128, 6><<<tall_tiles, 256>>>(q, y, M, K, sp); });
+    row("col library 128x256, 4 CTAs/SM", [&] { col_lib<128, 4><<<tall_tiles, 256>>>(q, y, M, K, sp); });
     row("col exp map0 sw1 pw64", [&] { col_exp<0, 1, 64><<<tiles, 256>>>(q, y, M, K, sp); });
     row("col exp map0 sw0 pw68", [&] { col_exp<0, 0, 68><<<tiles, 256>>>(q, y, M, K, sp); });
     row("col exp map1 sw0 pw68", [&] { col_exp<1, 0, 68><<<tiles, 256>>>(q, y, M, K, sp); });

@@ -472,47 +472,52 @@ constexpr int DEQ_TILE_K = 64, DEQ_TILE_M = 256;
 
 // Columnwise FP8 dequantization: q is the [k, m] transpose of y [m, k] (FP8 per-tensor and
 // block columnwise data), scale(r, c) as in fp8_dequant_rows but constant over runs of 4
-// output rows. Launch: one CTA of 256 threads per 64x256 tile of q,
-// ceil(k / 64) * ceil(m / 256) CTAs. When m % 16 == 0 a CTA copies its tile into shared
+// output rows. Launch: one CTA of 256 threads per TK x 256 tile of q (the library: TK =
+// 64), ceil(k / TK) * ceil(m / 256) CTAs. When m % 16 == 0 a CTA copies its tile into shared
 // memory (16-byte loads, coalesced along q's rows), then each thread turns 8 q rows x 4 q
 // columns (eight 4-byte shared reads, gathered pairwise with PRMT) into 4 rows x 8
 // columns of y: one 16-byte store a row when k % 8 == 0 (a warp writes 128 contiguous
 // bytes of each of 4 rows). On an H200 this ran at 0.82 of a copy at 16384x8192 and 1.01
 // at 4096x4096, where a thread per 16 q bytes storing down one column (the kernel before
 // 2026-12-04) ran at 0.67 and 0.72, and tiles of 128x128 or 256x64 (longer y rows,
-// shorter q rows) at 0.78 and 0.53 (bench/cuda/dequant_variants.cu). Otherwise a
-// thread per element, striding over the grid.
-template <class T, bool E4M3, class Scale>
+// shorter q rows) at 0.78 and 0.53 (bench/cuda/dequant_variants.cu). On an H100
+// (2026-12-06, 8 CTAs per SM) tiles of 128x256 ran at 0.927 of a copy at 16384x8192
+// against 0.879, but at 0.950 against 0.967 at 4096x4096 (half as many CTAs); the
+// harness instantiates TK = 128. Otherwise a thread per element, striding over the grid.
+template <class T, bool E4M3, class Scale, int TK = DEQ_TILE_K>
 __device__ __forceinline__ void fp8_dequant_cols(const uint8_t* __restrict__ q, T* __restrict__ y, u64 m, u64 k,
                                                  Scale scale) {
+    static_assert(TK % 32 == 0 && TK <= 128, "whole loads and passes; swz inside a 64-word row");
+    constexpr int LK = TK / 8;  // 8-row groups of the tile, lanes along k
     const u64 tiles_m = (m + DEQ_TILE_M - 1) / DEQ_TILE_M;
     if (m % 16 != 0) {
         fp8_dequant_each<T, E4M3>(q, y, m, k, true, scale);
         return;
     }
     // Row j of the tile holds its 256 bytes as 64 words, word w at w ^ swz(j): with
-    // swz(j) = 4 * ((j / 8) % 8) the eight 8-row groups a warp reads at once (below) sit
-    // in different banks, and each 16-byte copy stays whole and aligned.
-    __shared__ __align__(16) uint32_t tile[DEQ_TILE_K][DEQ_TILE_M / 4];
-    auto swz = [](int j) { return 4 * ((j / 8) % 8); };
+    // swz(j) = 4 * ((j / 8) % LK) the eight 8-row groups a warp reads at once (below) sit
+    // in different banks when TK = 64 (with TK = 128 its 16 groups pair up: two-way
+    // conflicts), and each 16-byte copy stays whole and aligned.
+    __shared__ __align__(16) uint32_t tile[TK][DEQ_TILE_M / 4];
+    auto swz = [](int j) { return 4 * ((j / 8) % LK); };
     // The launch has a CTA per tile, so tiles_m < 2^32.
     const uint32_t tm = (uint32_t)tiles_m;
-    const u64 k0 = (u64)(blockIdx.x / tm) * DEQ_TILE_K, m0 = (u64)(blockIdx.x % tm) * DEQ_TILE_M;
+    const u64 k0 = (u64)(blockIdx.x / tm) * TK, m0 = (u64)(blockIdx.x % tm) * DEQ_TILE_M;
     const int tid = threadIdx.x;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < TK / 16; ++i) {
         const int j = tid / 16 + 16 * i, ch = tid % 16;
         uint4 v = {0, 0, 0, 0};
         if (k0 + j < k && m0 + 16 * ch < m) v = *reinterpret_cast<const uint4*>(q + (k0 + j) * m + m0 + 16 * ch);
         *reinterpret_cast<uint4*>(&tile[j][(4 * ch) ^ swz(j)]) = v;
     }
     __syncthreads();
-    // Thread -> (kg: q rows 8 kg .. + 7, mq: q columns 4 mq .. + 3) for 8 x 64 pairs in two
-    // passes; a warp takes all 8 kg by 4 mq (128 contiguous bytes of each y row it
-    // writes), and its 8-row groups differ in swz.
+    // Thread -> (kg: q rows 8 kg .. + 7, mq: q columns 4 mq .. + 3) for LK x 64 pairs in
+    // TK / 32 passes; a warp takes all LK kg by 32 / LK mq (16 LK contiguous bytes of each
+    // y row it writes: 128 when TK = 64), and its 8-row groups differ in swz.
 #pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
-        const int idx = tid + 256 * pass, kg = idx % 8, mq = idx / 8;
+    for (int pass = 0; pass < TK / 32; ++pass) {
+        const int idx = tid + 256 * pass, kg = idx % LK, mq = idx / LK;
         const u64 r0 = m0 + 4 * mq, c0 = k0 + 8 * kg;
         if (r0 >= m || c0 >= k) continue;
         T* out = y + r0 * k + c0;
