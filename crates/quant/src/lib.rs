@@ -1,4 +1,5 @@
-//! Every TransformerEngine quantized tensor format, byte for byte, on the CPU.
+//! Every TransformerEngine quantized tensor format, byte for byte: a CPU reference, and
+//! (feature `cuda`) CUDA kernels that produce the same bytes.
 //!
 //! | quantizer | format | scales |
 //! |---|---|---|
@@ -38,7 +39,10 @@
 //!
 //! The CPU reference is built from small public functions per step (casts in [`cast`],
 //! amax and scales in [`scale`], layouts in [`layout`], and each format's block
-//! quantizers), so the CUDA kernels can be checked against them one by one.
+//! quantizers), so the CUDA kernels can be checked against them one by one: the GPU tests
+//! (`cargo xtask test-gpu`) compare every format, option and input type bit for bit on
+//! random and ragged inputs. `cargo xtask bench-gpu` times each kernel against a device
+//! copy in the same run; `BENCHMARKS.md` keeps the figures, by card.
 //!
 //! ```
 //! use tessera_core::{DType, Device, Tensor};
