@@ -472,7 +472,7 @@ impl Replay for Fp8DelayedScaling {
 /// [`to_device`](Self::to_device) moves the state onto a device, as TE keeps it: casts
 /// there read the scale and max their amaxes into history slot 0 in device memory, and
 /// [`update_on_device`](Self::update_on_device) runs the update as one kernel
-/// ([`update_all_on_device`](Self::update_all_on_device): many quantizers' at once). Nothing
+/// (`update_all_on_device`, feature `cuda`: many quantizers' at once). Nothing
 /// then involves the host, so a training step's casts and updates can be captured into
 /// a CUDA graph (`tessera_core::cuda::Graph`) and replayed: the state's buffers stay put
 /// for the quantizer's life. Across ranks, all-reduce (MAX) slot 0

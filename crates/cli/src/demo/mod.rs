@@ -87,7 +87,7 @@
 //! - `--backend nccl`: one process per GPU, started by a torchrun-style launcher
 //!   (`torchrun --no-python`, or `cargo xtask test-gpu`'s, which runs the demo this way)
 //!   that sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`. Each
-//!   process joins an [`NcclGroup`](tessera_collectives::nccl::NcclGroup) and trains its
+//!   process joins an `NcclGroup` (`tessera_collectives::nccl`) and trains its
 //!   rank on its GPU: GEMMs through cuBLAS, LayerNorm, GeLU, dropout and the
 //!   quantizers through tessera's kernels (module `process`). Rank 0 trains the
 //!   reference on its GPU too, so the exact check compares cuBLAS with cuBLAS; needs a
