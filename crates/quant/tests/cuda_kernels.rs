@@ -1293,8 +1293,10 @@ fn two_pass_quantizers_see_the_amax_and_input_written_just_before() {
 /// beside the large dequantization's last CTAs. The second pass reads its tile before
 /// its own wait, so it must not start before the input is written: a tile read early
 /// shows as the input of the quantization before, whose values are 2^9 times larger or
-/// smaller. (An amax pass that let its second pass launch before its own wait failed
-/// this test on an H100; with a 4096x4096 input alone in front, it passed.)
+/// smaller. Inputs of 256 rows fill the scale grids; inputs of 224 leave NVFP4's padded,
+/// so the kernel that clears the padding is in the chain too. (An amax pass that let its
+/// second pass launch before its own wait failed this test on an H100; with a 4096x4096
+/// input alone in front, it passed.)
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn two_pass_quantizers_see_an_input_an_early_launch_wrote() {
@@ -1307,8 +1309,6 @@ fn two_pass_quantizers_see_an_input_an_early_launch_wrote() {
     let big_q = mxfp8.quantize(&big).unwrap();
     let mut big_out = Tensor::zeros(big_shape, DType::BF16, GPU).unwrap();
     let mut call = 0;
-    // 256 rows fill the scale grids; 224 leave padding, so `Outputs::take` clears it
-    // with one more early-launched kernel in the chain.
     for (shape, dtype) in [
         ([256, 1024], DType::BF16),
         ([256, 1024], DType::F32),
