@@ -1293,10 +1293,10 @@ fn two_pass_quantizers_see_the_amax_and_input_written_just_before() {
 /// beside the large dequantization's last CTAs. The second pass reads its tile before
 /// its own wait, so it must not start before the input is written: a tile read early
 /// shows as the input of the quantization before, whose values are 2^9 times larger or
-/// smaller. Inputs of 256 rows fill the scale grids; inputs of 224 leave NVFP4's padded,
-/// so the kernel that clears the padding is in the chain too. (An amax pass that let its
-/// second pass launch before its own wait failed this test on an H100; with a 4096x4096
-/// input alone in front, it passed.)
+/// smaller. Inputs of 256 rows fill the scale grids; 224 rows leave the MXFP8 and NVFP4
+/// grids padded, so the kernel that clears padding is in the chain too. (An amax pass
+/// that let its second pass launch before its own wait failed this test on an H100; with
+/// a 4096x4096 input alone in front, it passed.)
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn two_pass_quantizers_see_an_input_an_early_launch_wrote() {
