@@ -127,6 +127,23 @@ pub enum Error {
         msg: String,
     },
 
+    /// A kernel module is written for a newer GPU architecture than the device's.
+    #[error(
+        "{module}: its kernels need a GPU of compute capability {}.{} (sm_{}{}) or newer; \
+         {device} has {}.{}",
+        .needs.0, .needs.1, .needs.0, .needs.1, .has.0, .has.1
+    )]
+    UnsupportedDevice {
+        /// The kernel module (`PtxModule::name`).
+        module: &'static str,
+        /// The device, e.g. `"device 0 (NVIDIA A100-SXM4-80GB)"`.
+        device: String,
+        /// The device's compute capability, `(major, minor)`.
+        has: (u32, u32),
+        /// The least compute capability the module runs on.
+        needs: (u32, u32),
+    },
+
     /// A compiled kernel (PTX) does not match its CUDA source.
     #[error("stale kernel {name}: {msg}")]
     StaleKernel {

@@ -72,6 +72,56 @@ pub fn check_ptx_fresh(name: &str, source: &str, ptx: &str) -> Result<()> {
     }
 }
 
+/// The GPU architecture a PTX module is written for, as a compute capability: its
+/// `.target sm_XY` directive read as `(X, Y)` (`sm_90` is `(9, 0)`, `sm_100a` is
+/// `(10, 0)`). `None` when the text has no such directive.
+pub fn ptx_target(ptx: &str) -> Option<(u32, u32)> {
+    let arch = directive(ptx, ".target")?.split(',').next()?.trim();
+    let digits: String = arch
+        .strip_prefix("sm_")?
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    let n: u32 = digits.parse().ok()?;
+    Some((n / 10, n % 10))
+}
+
+/// The PTX ISA version a module is written in (its `.version X.Y` directive), which the
+/// driver must know to compile it: ISA 9.0 came with CUDA 13.0. `None` when the text has
+/// no such directive.
+pub fn ptx_isa_version(ptx: &str) -> Option<(u32, u32)> {
+    let (major, minor) = directive(ptx, ".version")?.split_once('.')?;
+    Some((major.trim().parse().ok()?, minor.trim().parse().ok()?))
+}
+
+/// The rest of the first line of `ptx` that starts with `name` and a space.
+fn directive<'a>(ptx: &'a str, name: &str) -> Option<&'a str> {
+    ptx.lines()
+        .map(str::trim_start)
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+}
+
+/// `Ok` when a device of compute capability `has` can run PTX written for `needs` (see
+/// [`ptx_target`]): the driver compiles PTX for its own GPU or any newer one, never an
+/// older one. Otherwise [`Error::UnsupportedDevice`] naming the module, the device and
+/// both capabilities.
+pub fn check_device_runs(
+    module: &'static str,
+    device: &str,
+    has: (u32, u32),
+    needs: (u32, u32),
+) -> Result<()> {
+    if has >= needs {
+        return Ok(());
+    }
+    Err(Error::UnsupportedDevice {
+        module,
+        device: device.to_owned(),
+        has,
+        needs,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -90,5 +140,34 @@ mod tests {
                 .contains("no `// tessera-source-sha256:` header"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn ptx_directives() {
+        let ptx =
+            "// tessera-source-sha256: 00\n//\n.version 9.0\n.target sm_90\n.address_size 64\n";
+        assert_eq!(ptx_target(ptx), Some((9, 0)));
+        assert_eq!(ptx_isa_version(ptx), Some((9, 0)));
+        assert_eq!(ptx_target(".target sm_100a\n"), Some((10, 0)));
+        assert_eq!(ptx_target(".target sm_89, debug\n"), Some((8, 9)));
+        assert_eq!(ptx_isa_version(".version 8.8\n"), Some((8, 8)));
+        // A comment or another directive that merely starts alike is not the directive.
+        assert_eq!(ptx_target("// .target sm_80\n.targets sm_80\n"), None);
+        assert_eq!(ptx_target(".target compute_90\n"), None);
+        assert_eq!(ptx_isa_version(".version nine\n"), None);
+    }
+
+    #[test]
+    fn devices_run_ptx_for_their_architecture_or_older() {
+        check_device_runs("m", "H100", (9, 0), (9, 0)).unwrap();
+        check_device_runs("m", "B200", (10, 0), (9, 0)).unwrap();
+        let err =
+            check_device_runs("tessera_quant_fp8", "NVIDIA A100", (8, 0), (9, 0)).unwrap_err();
+        assert!(matches!(err, Error::UnsupportedDevice { .. }), "{err}");
+        let msg = err.to_string();
+        for part in ["tessera_quant_fp8", "NVIDIA A100", "8.0", "9.0", "sm_90"] {
+            assert!(msg.contains(part), "{msg} lacks {part}");
+        }
+        assert!(check_device_runs("m", "RTX 4090", (8, 9), (9, 0)).is_err());
     }
 }

@@ -485,10 +485,13 @@ fn initialize_affine_weight_forks_and_records_attributes() {
 
 #[test]
 fn committed_ptx_is_fresh() {
+    let ptx = include_str!("../kernels/ptx/rng.ptx");
     tessera_core::kernels::check_ptx_fresh(
         "crates/rng/kernels/rng.cu",
         include_str!("../kernels/rng.cu"),
-        include_str!("../kernels/ptx/rng.ptx"),
+        ptx,
     )
     .unwrap();
+    // What `CudaDevice::function` compares with the device's compute capability.
+    assert_eq!(tessera_core::kernels::ptx_target(ptx), Some((9, 0)));
 }

@@ -6,7 +6,7 @@ use cudarc::driver::sys::{CUdevice_attribute, CUmemPool_attribute, CUmemoryPool}
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
 
 use super::CudaResultExt;
-use crate::kernels::PtxModule;
+use crate::kernels::{self, PtxModule};
 use crate::{Error, Result};
 
 /// Whether a CUDA driver and at least one device are present. Never panics.
@@ -175,12 +175,24 @@ impl CudaDevice {
         let m = match cache.modules.get(module.name) {
             Some(m) => m.clone(),
             None => {
+                // The driver would refuse PTX for a newer architecture with an error that
+                // does not say which; say it, with both capabilities.
+                if let Some(needs) = kernels::ptx_target(module.ptx) {
+                    let (major, minor) = self.compute_capability;
+                    let has = (major.max(0) as u32, minor.max(0) as u32);
+                    let device = format!("device {} ({})", self.ordinal, self.name);
+                    kernels::check_device_runs(module.name, &device, has, needs)?;
+                }
                 let m = self
                     .ctx
                     .load_module(cudarc::nvrtc::Ptx::from_src(module.ptx))
                     .map_err(|e| Error::Cuda {
                         op: "cuModuleLoadData",
-                        msg: format!("loading PTX module `{}`: {e}", module.name),
+                        msg: format!(
+                            "loading PTX module `{}`: {e}{}",
+                            module.name,
+                            isa_hint(module.ptx, driver_cuda_version())
+                        ),
                     })?;
                 cache.modules.insert(module.name, m.clone());
                 m
@@ -224,6 +236,32 @@ impl CudaDevice {
     }
 }
 
+/// The CUDA version the loaded driver supports, `(major, minor)`.
+fn driver_cuda_version() -> Option<(i32, i32)> {
+    let mut v = 0;
+    // SAFETY: a context exists (the caller holds a device), so the driver library is
+    // loaded and initialised; the call writes one int.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) }
+        .result()
+        .ok()?;
+    Some((v / 1000, v % 1000 / 10))
+}
+
+/// What a failed module load adds to the driver's message: the PTX ISA version of the
+/// module and the CUDA version of the driver, since a driver refuses PTX of an ISA newer
+/// than its own release (ISA 9.0 came with CUDA 13.0).
+fn isa_hint(ptx: &str, driver: Option<(i32, i32)>) -> String {
+    match (kernels::ptx_isa_version(ptx), driver) {
+        (Some((a, b)), Some((c, d))) => format!(
+            " (the module is PTX ISA {a}.{b}; the driver supports CUDA {c}.{d}, and a driver \
+             refuses PTX newer than its release: update the driver, or regenerate the PTX \
+             with an older nvcc through `cargo xtask ptx`)"
+        ),
+        (Some((a, b)), None) => format!(" (the module is PTX ISA {a}.{b})"),
+        _ => String::new(),
+    }
+}
+
 /// The default memory pool of `ctx`'s device.
 fn default_pool(ctx: &CudaContext) -> Result<CUmemoryPool> {
     // SAFETY: `cu_device` is the handle of a device the driver enumerated (the context
@@ -240,5 +278,20 @@ impl fmt::Debug for CudaDevice {
             .field("compute_capability", &self.compute_capability)
             .field("multiprocessors", &self.multiprocessors)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_module_load_names_the_isa_and_the_driver() {
+        let ptx = ".version 9.0\n.target sm_90\n";
+        let hint = isa_hint(ptx, Some((12, 4)));
+        assert!(hint.contains("PTX ISA 9.0"), "{hint}");
+        assert!(hint.contains("CUDA 12.4"), "{hint}");
+        assert_eq!(isa_hint(ptx, None), " (the module is PTX ISA 9.0)");
+        assert_eq!(isa_hint("no directives", Some((13, 0))), "");
     }
 }
