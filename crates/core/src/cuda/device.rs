@@ -254,8 +254,8 @@ fn isa_hint(ptx: &str, driver: Option<(i32, i32)>) -> String {
     match (kernels::ptx_isa_version(ptx), driver) {
         (Some((a, b)), Some((c, d))) => format!(
             " (the module is PTX ISA {a}.{b}; the driver supports CUDA {c}.{d}, and a driver \
-             refuses PTX newer than its release: update the driver, or regenerate the PTX \
-             with an older nvcc through `cargo xtask ptx`)"
+             refuses an ISA newer than its CUDA release knows, ISA 9.0 being CUDA 13.0's: \
+             update the driver)"
         ),
         (Some((a, b)), None) => format!(" (the module is PTX ISA {a}.{b})"),
         _ => String::new(),
