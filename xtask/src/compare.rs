@@ -37,6 +37,11 @@ struct Build {
 }
 
 impl Build {
+    /// The most runs any row has.
+    fn most_runs(&self) -> usize {
+        self.rows.values().map(Vec::len).max().unwrap_or(0)
+    }
+
     fn add_run(&mut self, json: &str, path: &Path) -> Result<()> {
         let v: serde_json::Value =
             serde_json::from_str(json).with_context(|| format!("{}: not JSON", path.display()))?;
@@ -135,7 +140,7 @@ fn cell(samples: Option<&Vec<Sample>>) -> String {
                 .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
                     (lo.min(x), hi.max(x))
                 });
-            return format!("{lo:.3}-{hi:.3}, median {:.3}", median(v.clone()));
+            return format!("{lo:.3}-{hi:.3}, median {:.3}", median(v));
         }
         v.iter()
             .map(|x| format!("{x:.3}"))
@@ -234,8 +239,7 @@ fn merged(build: &Build, label: Option<&str>) -> serde_json::Value {
             row
         })
         .collect();
-    let runs = build.rows.values().map(Vec::len).max().unwrap_or(0);
-    let mut out = json!({ "runs": runs, "rows": rows });
+    let mut out = json!({ "runs": build.most_runs(), "rows": rows });
     if let Some(l) = label {
         out["build"] = json!(l);
     }
@@ -251,7 +255,7 @@ pub(crate) fn run_merge(runs: &[PathBuf], out: &Path, label: Option<&str>) -> Re
     println!(
         "{} rows of {} runs into {}",
         b.order.len(),
-        b.rows.values().map(Vec::len).max().unwrap_or(0),
+        b.most_runs(),
         out.display()
     );
     Ok(())
