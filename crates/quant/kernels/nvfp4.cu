@@ -1214,11 +1214,12 @@ __device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t*
 }
 
 // Columnwise with the RHT: each block inverse-transformed. The plain kernel's tiles and
-// load; each thread decodes one block from each of 4 q rows (4 output columns)
-// and writes the block's 16 output rows, one 4-column store a row (8 bytes of bf16 or
-// f16, 16 of f32). Sixteen lanes take the 64 columns of a block, so a warp stores 128
-// (256) contiguous bytes of each of 2 rows per instruction. Its own entry point, so that
-// the inverse RHT's registers do not cap the occupancy of the plain kernel.
+// their load (nvfp4_dequant_tile_load); each thread decodes one block from each of 4 q
+// rows (4 output columns) and writes the block's 16 output rows, one 4-column store a
+// row (8 bytes of bf16 or f16, 16 of f32). Sixteen lanes take the 64 columns of a block,
+// so a warp stores 128 (256) contiguous bytes of each of 2 rows per instruction. Its own
+// entry point, so that the inverse RHT's registers do not cap the plain kernel's
+// occupancy.
 template <class T>
 __device__ void nvfp4_dequant_cols_rht(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                        const float* __restrict__ amax, T* __restrict__ y, u64 m, u64 k,
@@ -1276,18 +1277,18 @@ __device__ void nvfp4_dequant_cols_rht(const uint8_t* __restrict__ q, const uint
         pdl_first();                                                                              \
         nvfp4_dequant_rows<T>(q, s, amax, y, m, k, s_cols, swizzled);                             \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256, NVFP4_DEQ_T_MINB)                          \
+    extern "C" __global__ void __launch_bounds__(256, NVFP4_DEQ_T_MINB)                           \
         tessera_nvfp4_dequant_t_##SUFFIX(                                                         \
         const uint8_t* q, const uint8_t* s, const float* amax, T* y, u64 m, u64 k, u64 s_cols,    \
         int swizzled) {                                                                           \
         pdl_first();                                                                              \
-        nvfp4_dequant_cols<T>(q, s, amax, y, m, k, s_cols, swizzled);                      \
+        nvfp4_dequant_cols<T>(q, s, amax, y, m, k, s_cols, swizzled);                             \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_dequant_t_rht_##SUFFIX(       \
         const uint8_t* q, const uint8_t* s, const float* amax, T* y, u64 m, u64 k, u64 s_cols,    \
         int swizzled) {                                                                           \
         pdl_first();                                                                              \
-        nvfp4_dequant_cols_rht<T>(q, s, amax, y, m, k, s_cols, swizzled);                       \
+        nvfp4_dequant_cols_rht<T>(q, s, amax, y, m, k, s_cols, swizzled);                         \
     }
 NVFP4_DEQUANT(f32, float)
 NVFP4_DEQUANT(bf16, __nv_bfloat16)
