@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(256, MINB) col_lib(const uint8_t* __restrict__
                                                      const float* __restrict__ sp) {
     const float s = *sp;
     auto scale = [=](u64, u64) { return s; };
-    fp8_dequant_cols<bf16, true, decltype(scale), TK>(q, y, m, k, scale);
+    fp8_dequant_cols<bf16, true, TK>(q, y, m, k, scale);
 }
 
 __global__ void __launch_bounds__(256) copy16(const uint4* __restrict__ a, uint4* __restrict__ b, u64 n) {
@@ -273,7 +273,7 @@ static unsigned grid_1d(u64 units, int sms) {
 }
 static unsigned cover(u64 units) { return (unsigned)((units + 255) / 256); }
 
-static void run_shape(u64 M, u64 K, int sms) {
+static void run_shape(u64 M, u64 K, int sms, bool sweep = false) {
     const u64 n = M * K;
     std::printf("== [%llu, %llu] e4m3 -> bf16\n", (unsigned long long)M, (unsigned long long)K);
     std::vector<uint8_t> h(n);
@@ -305,15 +305,17 @@ static void run_shape(u64 M, u64 K, int sms) {
         CK(cudaMemset(y, 0xFF, 2 * n));
         report(name, time_ms(launch), bytes, y, 2 * n);
     };
-    row("row shipped (8/unit, cover)", [&] { tessera_fp8_dequant_bf16_e4m3<<<cover(n / 8), 256>>>(q, y, n, sp); });
-    row("row 16/unit U=4 grid_1d (until 12-04)", [&] { row_u<16, 4><<<grid_1d(n / 16, sms), 256>>>(q, y, n, sp); });
-    row("row 16/unit U=1 grid_1d", [&] { row_u<16, 1><<<grid_1d(n / 16, sms), 256>>>(q, y, n, sp); });
-    row("row 16/unit U=1 cover", [&] { row_u<16, 1><<<cover(n / 16), 256>>>(q, y, n, sp); });
-    row("row 8/unit U=1 cover", [&] { row_u<8, 1><<<cover(n / 8), 256>>>(q, y, n, sp); });
-    row("row 8/unit U=1 grid_1d", [&] { row_u<8, 1><<<grid_1d(n / 8, sms), 256>>>(q, y, n, sp); });
-    row("row 8/unit U=2 grid_1d", [&] { row_u<8, 2><<<grid_1d(n / 8, sms), 256>>>(q, y, n, sp); });
-    row("row 8/unit U=4 grid_1d", [&] { row_u<8, 4><<<grid_1d(n / 8, sms), 256>>>(q, y, n, sp); });
-    row("row 8/unit U=2 cover/2", [&] { row_u<8, 2><<<cover(n / 16), 256>>>(q, y, n, sp); });
+    if (!sweep) {
+        row("row shipped (8/unit, cover)", [&] { tessera_fp8_dequant_bf16_e4m3<<<cover(n / 8), 256>>>(q, y, n, sp); });
+        row("row 16/unit U=4 grid_1d (until 12-04)", [&] { row_u<16, 4><<<grid_1d(n / 16, sms), 256>>>(q, y, n, sp); });
+        row("row 16/unit U=1 grid_1d", [&] { row_u<16, 1><<<grid_1d(n / 16, sms), 256>>>(q, y, n, sp); });
+        row("row 16/unit U=1 cover", [&] { row_u<16, 1><<<cover(n / 16), 256>>>(q, y, n, sp); });
+        row("row 8/unit U=1 cover", [&] { row_u<8, 1><<<cover(n / 8), 256>>>(q, y, n, sp); });
+        row("row 8/unit U=1 grid_1d", [&] { row_u<8, 1><<<grid_1d(n / 8, sms), 256>>>(q, y, n, sp); });
+        row("row 8/unit U=2 grid_1d", [&] { row_u<8, 2><<<grid_1d(n / 8, sms), 256>>>(q, y, n, sp); });
+        row("row 8/unit U=4 grid_1d", [&] { row_u<8, 4><<<grid_1d(n / 8, sms), 256>>>(q, y, n, sp); });
+        row("row 8/unit U=2 cover/2", [&] { row_u<8, 2><<<cover(n / 16), 256>>>(q, y, n, sp); });
+    }
 
     // columnwise: q holds the [K, M] transpose
     const unsigned tiles = (unsigned)(((K + 63) / 64) * ((M + 255) / 256));
@@ -321,6 +323,14 @@ static void run_shape(u64 M, u64 K, int sms) {
     const unsigned tall_tiles = (unsigned)(((K + 127) / 128) * ((M + 255) / 256));
     row("col library 128x256, 6 CTAs/SM", [&] { col_lib<128, 6><<<tall_tiles, 256>>>(q, y, M, K, sp); });
     row("col library 128x256, 4 CTAs/SM", [&] { col_lib<128, 4><<<tall_tiles, 256>>>(q, y, M, K, sp); });
+    if (sweep) {
+        row("col library 128x256, 8 CTAs/SM", [&] { col_lib<128, 8><<<tall_tiles, 256>>>(q, y, M, K, sp); });
+        CK(cudaFree(q));
+        CK(cudaFree(y));
+        CK(cudaFree(y2));
+        CK(cudaFree(sp));
+        return;
+    }
     row("col exp map0 sw1 pw64", [&] { col_exp<0, 1, 64><<<tiles, 256>>>(q, y, M, K, sp); });
     row("col exp map0 sw0 pw68", [&] { col_exp<0, 0, 68><<<tiles, 256>>>(q, y, M, K, sp); });
     row("col exp map1 sw0 pw68", [&] { col_exp<1, 0, 68><<<tiles, 256>>>(q, y, M, K, sp); });
@@ -503,7 +513,7 @@ __global__ void __launch_bounds__(256, MINB) nv_cols8(const uint8_t* __restrict_
     nvfp4_dequant_cols<bf16, TK, TM>(q, s, amax, y, m, k, s_cols, 0);
 }
 
-static void run_nvfp4_cols(u64 M, u64 K) {
+static void run_nvfp4_cols(u64 M, u64 K, bool sweep = false) {
     std::printf("== [%llu, %llu] nvfp4 columnwise -> bf16 (compact scales, no RHT)\n", (unsigned long long)M,
                 (unsigned long long)K);
     const u64 n = M * K, s_cols = M / 16;  // q is [K, M/2], scales [K, M/16]
@@ -514,6 +524,13 @@ static void run_nvfp4_cols(u64 M, u64 K) {
     auto tiles = [&](u64 tk, u64 tm) { return (unsigned)(((K + tk - 1) / tk) * ((M + tm - 1) / tm)); };
     d.row("nvfp4 cols shipped (8x8 map, 64 x 256)",
           [&] { tessera_nvfp4_dequant_t_bf16<<<tiles(64, 256), 256>>>(q, sd, amax, y, M, K, s_cols, 0); });
+    if (sweep) {
+        d.row("8x8 map 128 x 256, 8 CTAs/SM",
+              [&] { nv_cols8<128, 256, 8><<<tiles(128, 256), 256>>>(q, sd, amax, y, M, K, s_cols); });
+        d.row("8x8 map 128 x 256, 6 CTAs/SM",
+              [&] { nv_cols8<128, 256, 6><<<tiles(128, 256), 256>>>(q, sd, amax, y, M, K, s_cols); });
+        return;
+    }
     d.row("nvfp4 cols 64 x 256 (harness copy)",
           [&] { nv_cols<64, 256><<<tiles(64, 256), 256>>>(q, sd, amax, y, M, K, s_cols); });
     d.row("nvfp4 cols 128 x 128", [&] { nv_cols<128, 128><<<tiles(128, 128), 256>>>(q, sd, amax, y, M, K, s_cols); });
@@ -531,6 +548,17 @@ int main() {
     cudaDeviceProp p;
     CK(cudaGetDeviceProperties(&p, 0));
     std::printf("%s (sm_%d%d), %d SMs\n", p.name, p.major, p.minor, p.multiProcessorCount);
+    // DQ_COL_SWEEP: both columnwise dequantizers, the shipped 64-row tile against 128 rows,
+    // over shapes from a half-filled card to a full one several times over.
+    if (std::getenv("DQ_COL_SWEEP") != nullptr) {
+        const u64 shapes[][2] = {{2048, 4096}, {4096, 4096}, {4096, 8192}, {8192, 4096}, {8192, 8192},
+                                 {16384, 4096}, {8192, 16384}, {16384, 8192}, {32768, 8192}};
+        for (const auto& s : shapes) {
+            run_shape(s[0], s[1], p.multiProcessorCount, true);
+            run_nvfp4_cols(s[0], s[1], true);
+        }
+        return 0;
+    }
     if (std::getenv("DQ_NVFP4_COLS") != nullptr) {
         run_nvfp4_cols(16384, 8192);
         run_nvfp4_cols(4096, 4096);

@@ -262,14 +262,15 @@ BLOCK_KERNEL(f16, __half, e5m2, false)
 // columnwise [k, m]), y the logical [m, k]. mode: 0 = 1-D rowwise, 1 = 1-D columnwise,
 // 2 = 2-D rowwise, 3 = 2-D columnwise (see block.rs for the scale layouts); COL (modes
 // 1 and 3) picks fp8_dequant_cols, else fp8_dequant_rows, and their launch. Blocks of
-// 128 along the stored rows keep a scale constant over the runs those ask for. Two
-// entry points, so that neither path's registers limit the other's occupancy.
-template <class T, bool E4M3, bool COL>
+// 128 along the stored rows keep a scale constant over the runs those ask for. Separate
+// entry points, so that neither path's registers limit the other's occupancy; the
+// columnwise one in tiles of 64 or (`_t_tall_`) 128 q rows, as the FP8 dequantizer.
+template <class T, bool E4M3, bool COL, int TK = DEQ_TILE_K>
 __device__ void block_dequant_impl(const uint8_t* __restrict__ q, const float* __restrict__ s,
                                    T* __restrict__ y, u64 m, u64 k, u64 s_cols, int mode) {
     const bool two_d = mode >= 2;
     if constexpr (COL) {
-        fp8_dequant_cols<T, E4M3>(q, y, m, k, [=](u64 r, u64 c) {
+        fp8_dequant_cols<T, E4M3, TK>(q, y, m, k, [=](u64 r, u64 c) {
             return two_d ? s[(c / 128) * s_cols + r / 128] : s[(r / 128) * s_cols + c];
         });
     } else {
@@ -289,6 +290,12 @@ __device__ void block_dequant_impl(const uint8_t* __restrict__ q, const float* _
         const uint8_t* q, const float* s, T* y, u64 m, u64 k, u64 s_cols, int mode) {          \
         pdl_first();                                                                           \
         block_dequant_impl<T, E4M3, true>(q, s, y, m, k, s_cols, mode);                        \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, DEQ_T_TALL_MINB)                         \
+        tessera_fp8_block_dequant_t_tall_##SUFFIX##_##FMT(                                     \
+        const uint8_t* q, const float* s, T* y, u64 m, u64 k, u64 s_cols, int mode) {          \
+        pdl_first();                                                                           \
+        block_dequant_impl<T, E4M3, true, DEQ_TILE_K_TALL>(q, s, y, m, k, s_cols, mode);       \
     }
 BLOCK_DEQUANT(f32, float, e4m3, true)
 BLOCK_DEQUANT(f32, float, e5m2, false)

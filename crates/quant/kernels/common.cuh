@@ -466,25 +466,34 @@ __device__ __forceinline__ void fp8_dequant_rows(const uint8_t* __restrict__ q, 
     fp8_dequant_each<T, E4M3>(q, y, m, k, false, scale);
 }
 
-// The shared-memory tile of fp8_dequant_cols: DEQ_TILE_K stored rows (output columns) by
-// DEQ_TILE_M stored columns (output rows), a CTA of 256 threads.
-constexpr int DEQ_TILE_K = 64, DEQ_TILE_M = 256;
+// The shared-memory tiles of fp8_dequant_cols: DEQ_TILE_K stored rows (output columns) by
+// DEQ_TILE_M stored columns (output rows), a CTA of 256 threads; DEQ_TILE_K_TALL rows
+// for the tall entry points, which the launch picks when their grid fills the card
+// (`DeqColsTiles` in src/cuda/grid.rs), built for DEQ_T_TALL_MINB CTAs per SM: on an
+// H100 (bf16) 4 ran at 0.88-1.06 of a copy, 6 alike from 8192x8192 up but 2-6% slower
+// below, 8 at 0.77-0.99.
+constexpr int DEQ_TILE_K = 64, DEQ_TILE_K_TALL = 128, DEQ_TILE_M = 256;
+#ifndef DEQ_T_TALL_MINB
+#define DEQ_T_TALL_MINB 4
+#endif
 
 // Columnwise FP8 dequantization: q is the [k, m] transpose of y [m, k] (FP8 per-tensor and
 // block columnwise data), scale(r, c) as in fp8_dequant_rows but constant over runs of 4
 // output rows. Launch: one CTA of 256 threads per TK x 256 tile of q (the library: TK =
-// 64), ceil(k / TK) * ceil(m / 256) CTAs. When m % 16 == 0 a CTA copies its tile into shared
+// 64, or 128 in its tall entry points), ceil(k / TK) * ceil(m / 256) CTAs. When m % 16 == 0 a CTA copies its tile into shared
 // memory (16-byte loads, coalesced along q's rows), then each thread turns 8 q rows x 4 q
 // columns (eight 4-byte shared reads, gathered pairwise with PRMT) into 4 rows x 8
-// columns of y: one 16-byte store a row when k % 8 == 0 (a warp writes 128 contiguous
-// bytes of each of 4 rows). On an H200 this ran at 0.82 of a copy at 16384x8192 and 1.01
+// columns of y: one 16-byte store a row when k % 8 == 0 (a warp writes 2 TK contiguous
+// bytes of bf16 of each of 256 / TK rows). On an H200 this ran at 0.82 of a copy at 16384x8192 and 1.01
 // at 4096x4096, where a thread per 16 q bytes storing down one column (the kernel before
 // 2026-12-04) ran at 0.67 and 0.72, and tiles of 128x128 or 256x64 (longer y rows,
-// shorter q rows) at 0.78 and 0.53 (bench/cuda/dequant_variants.cu). On an H100
-// (2026-12-06, 8 CTAs per SM) tiles of 128x256 ran at 0.927 of a copy at 16384x8192
-// against 0.879, but at 0.950 against 0.967 at 4096x4096 (half as many CTAs); the
-// harness instantiates TK = 128. Otherwise a thread per element, striding over the grid.
-template <class T, bool E4M3, class Scale, int TK = DEQ_TILE_K>
+// shorter q rows) at 0.78 and 0.53 (bench/cuda/dequant_variants.cu). Tiles of 128 q rows
+// (TK = 128, 4 CTAs per SM) halve the CTAs and double each one's bytes in flight: on an
+// H100 (2026-12-06, bf16) 0.94-0.95 of a copy against 0.86-0.90 from 8192x8192 up and 1.06
+// against 0.96 at 4096x4096 (512 CTAs, about one wave), but 0.88 against 0.90 at
+// 2048x4096 (256 CTAs, half a wave). Otherwise a thread per element, striding over the
+// grid.
+template <class T, bool E4M3, int TK = DEQ_TILE_K, class Scale>
 __device__ __forceinline__ void fp8_dequant_cols(const uint8_t* __restrict__ q, T* __restrict__ y, u64 m, u64 k,
                                                  Scale scale) {
     static_assert(TK % 32 == 0 && TK <= 128, "whole loads and passes; swz inside a 64-word row");

@@ -377,12 +377,13 @@ __device__ void dequant_impl(const uint8_t* __restrict__ q, T* __restrict__ y, u
 }
 
 // The columnwise operand: q is the transposed [k, m] copy, y the logical [m, k], without
-// a separate transpose (fp8_dequant_cols; its launch).
-template <class T, bool E4M3>
+// a separate transpose (fp8_dequant_cols; its launch), in tiles of TK q rows: the `_t_`
+// entry points 64, the `_t_tall_` ones 128 (DEQ_TILE_K_TALL).
+template <class T, bool E4M3, int TK>
 __device__ void dequant_transposed_impl(const uint8_t* __restrict__ q, T* __restrict__ y, u64 m, u64 k,
                                         const float* __restrict__ scale_inv) {
     const float s = scale_inv[0];
-    fp8_dequant_cols<T, E4M3>(q, y, m, k, [=](u64, u64) { return s; });
+    fp8_dequant_cols<T, E4M3, TK>(q, y, m, k, [=](u64, u64) { return s; });
 }
 
 #define DEQUANT(SUFFIX, T, FMT, E4M3)                                                          \
@@ -394,7 +395,13 @@ __device__ void dequant_transposed_impl(const uint8_t* __restrict__ q, T* __rest
     extern "C" __global__ void __launch_bounds__(256) tessera_fp8_dequant_t_##SUFFIX##_##FMT(  \
         const uint8_t* __restrict__ q, T* __restrict__ y, u64 m, u64 k, const float* scale_inv) { \
         pdl_first();                                                                              \
-        dequant_transposed_impl<T, E4M3>(q, y, m, k, scale_inv);                                \
+        dequant_transposed_impl<T, E4M3, DEQ_TILE_K>(q, y, m, k, scale_inv);                    \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256, DEQ_T_TALL_MINB)                            \
+        tessera_fp8_dequant_t_tall_##SUFFIX##_##FMT(const uint8_t* __restrict__ q, T* __restrict__ y, \
+                                                    u64 m, u64 k, const float* scale_inv) {       \
+        pdl_first();                                                                              \
+        dequant_transposed_impl<T, E4M3, DEQ_TILE_K_TALL>(q, y, m, k, scale_inv);               \
     }
 DEQUANT(f32, float, e4m3, true)
 DEQUANT(f32, float, e5m2, false)

@@ -1088,8 +1088,10 @@ template <> struct Vec4<float> {
 };
 
 // The columnwise dequantizers' tile: NVFP4_DEQ_TILE_K q rows (output columns) by
-// NVFP4_DEQ_TILE_M values along m (128 bytes of each q row).
-constexpr int NVFP4_DEQ_TILE_K = 64, NVFP4_DEQ_TILE_M = 256;
+// NVFP4_DEQ_TILE_M values along m (128 bytes of each q row); NVFP4_DEQ_TILE_K_TALL q rows
+// for the tall entry point without the RHT, which the launch picks when its grid fills
+// the card (`DeqColsTiles` in src/cuda/grid.rs).
+constexpr int NVFP4_DEQ_TILE_K = 64, NVFP4_DEQ_TILE_K_TALL = 128, NVFP4_DEQ_TILE_M = 256;
 
 // value = e2m1 * ((e4m3 * A) * fp32(1/2688)); m % 16 == 0 and k % 16 == 0.
 
@@ -1164,10 +1166,10 @@ __device__ __forceinline__ DeqTile nvfp4_dequant_tile_load(const uint8_t* __rest
 // scales and a row's 8 values; 32 at 8 CTAs per SM), where a thread decoding whole
 // blocks of 4 q rows holds 16 rows of 4 outputs until it stores them 8 bytes a time (the
 // RHT kernel below, which needs whole blocks). On an H100 (bf16) it took 9.3% off the
-// time of that map at 16384x8192 and 17.9% at 4096x4096. Tiles of 128 q rows were 3.2%
-// faster at 16384x8192 and 33% slower at 4096x4096, whose 512 CTAs then fill half of the
-// card's 8 a SM (bench/cuda/dequant_variants.cu instantiates other tiles;
-// BENCHMARKS.md).
+// time of that map at 16384x8192 and 17.9% at 4096x4096. Tiles of 128 q rows (the tall
+// entry point) were 1.4-7% faster from 4096x8192 up (1024 CTAs or more, a wave of 8 a SM
+// or more) and 9% slower at 4096x4096 (512 CTAs, half a wave; bench/cuda/
+// dequant_variants.cu instantiates other tiles; BENCHMARKS.md).
 template <class T, int TK = NVFP4_DEQ_TILE_K, int TM = NVFP4_DEQ_TILE_M>
 __device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                    const float* __restrict__ amax, T* __restrict__ y, u64 m, u64 k,
@@ -1283,6 +1285,13 @@ __device__ void nvfp4_dequant_cols_rht(const uint8_t* __restrict__ q, const uint
         int swizzled) {                                                                           \
         pdl_first();                                                                              \
         nvfp4_dequant_cols<T>(q, s, amax, y, m, k, s_cols, swizzled);                             \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256, NVFP4_DEQ_T_MINB)                           \
+        tessera_nvfp4_dequant_t_tall_##SUFFIX(                                                    \
+        const uint8_t* q, const uint8_t* s, const float* amax, T* y, u64 m, u64 k, u64 s_cols,    \
+        int swizzled) {                                                                           \
+        pdl_first();                                                                              \
+        nvfp4_dequant_cols<T, NVFP4_DEQ_TILE_K_TALL>(q, s, amax, y, m, k, s_cols, swizzled);      \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_dequant_t_rht_##SUFFIX(       \
         const uint8_t* q, const uint8_t* s, const float* amax, T* y, u64 m, u64 k, u64 s_cols,    \

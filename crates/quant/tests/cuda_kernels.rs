@@ -1094,10 +1094,13 @@ fn nvfp4_matches_the_cpu() {
 }
 
 /// Every format's dequantization, both orientations, equal to the CPU's bytes on tensors of
-/// millions of elements, whose shapes are not multiples of the columnwise FP8 tiles (64
-/// stored rows by 256 stored columns: [8640, 8224] and [6176, 4192] leave partial tiles at
-/// both edges) and whose threads' positions cross many rows. (The small shapes of the other
-/// tests reach the ragged paths: m % 16 != 0, k % 8 != 0.)
+/// millions of elements, whose shapes are not multiples of the columnwise tiles (64 or 128
+/// stored rows by 256 stored columns: [8640, 8224], [6176, 4192] and [2064, 4112] leave
+/// partial tiles at both edges) and whose threads' positions cross many rows. The
+/// columnwise dequantizers take their tall tiles (128 rows) where those fill the card: on
+/// a card of 100 to 260 SMs, FP8's at [8640, 8224] and [6176, 4192] and not at
+/// [2064, 4112], NVFP4's at [8640, 8224] only (and never with the RHT). (The small shapes
+/// of the other tests reach the ragged paths: m % 16 != 0, k % 8 != 0.)
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn dequantizers_match_the_cpu_on_large_ragged_tiles() {
@@ -1140,6 +1143,23 @@ fn dequantizers_match_the_cpu_on_large_ragged_tiles() {
             &format!("fp8-block [6176, 4192] {dim:?}"),
         );
     }
+    let x = input(&[8640, 8224], DType::BF16, 73);
+    check_quantizer(
+        &mut Nvfp4Quantizer::new().with_usage(Usage::Both),
+        &x,
+        "nvfp4 [8640, 8224]",
+    );
+    let x = input(&[2064, 4112], DType::BF16, 74);
+    check_quantizer(
+        &mut Fp8CurrentScaling::new(Fp8Format::E5M2).with_usage(Usage::Both),
+        &x,
+        "current [2064, 4112]",
+    );
+    check_quantizer(
+        &mut Fp8BlockQuantizer::new(Fp8Format::E4M3, BlockDim::TwoD).with_usage(Usage::Both),
+        &x,
+        "fp8-block [2064, 4112] TwoD",
+    );
 }
 
 /// Finite values of moderate range, with runs of zeros and negative zeros: every NVFP4
@@ -1479,6 +1499,9 @@ fn freed_device_memory_stays_cached_until_released() {
         cudarc::driver::result::mem_get_info().unwrap().0
     };
     const BIG: usize = 2 << 30;
+    // Start from an empty pool: blocks the tests before this one freed would otherwise
+    // serve part of the allocation without a driver call.
+    dev.release_cached_memory().unwrap();
     let before = free();
     let t = Tensor::empty([BIG], DType::U8, GPU).unwrap();
     let held = free();

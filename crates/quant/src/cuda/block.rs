@@ -3,9 +3,8 @@
 use tessera_core::{Result, Tensor};
 
 use super::{
-    BLOCK_PTX, FP8_DEQ_TILE, Order, Outputs, Params, dequant_addrs, dequant_cols_grid,
-    dequant_units_grid, dequant_vals, device_addr, device_of, dtype_suffix, format_suffix,
-    launch_params, tile_grid,
+    BLOCK_PTX, FP8_DEQ_TILES, Order, Outputs, Params, dequant_addrs, dequant_units_grid,
+    dequant_vals, device_addr, device_of, dtype_suffix, format_suffix, launch_params, tile_grid,
 };
 use crate::block::BlockScaling;
 use crate::values::check_input;
@@ -95,11 +94,15 @@ pub(crate) fn dequantize(
     let (m, k) = qt.shape().flat_2d();
     let (q, s) = qt.data_and_scales(columnwise)?;
     let dev = device_of(q)?;
+    // Columnwise a CTA per tile of the stored [k, m], 64 or 128 rows by 256 bytes by
+    // shape; rowwise two units a thread (each striding per element where the stored rows
+    // do not split into vectors).
+    let tile = columnwise.then(|| FP8_DEQ_TILES.pick(m, k, dev.multiprocessors() as usize));
     let f = dev.function(
         &BLOCK_PTX,
         &format!(
             "tessera_fp8_block_dequant_{}{}_{}",
-            if columnwise { "t_" } else { "" },
+            tile.map_or("", |t| t.infix()),
             dtype_suffix(OP, dtype)?,
             format_suffix(format)
         ),
@@ -111,12 +114,9 @@ pub(crate) fn dequantize(
         (BlockDim::TwoD, true) => 3,
     };
     let a = [m as u64, k as u64, s.shape().dims()[1] as u64];
-    // Columnwise a CTA per 64x256 tile of the stored [k, m]; rowwise two units a thread
-    // (each striding per element where the stored rows do not split into vectors).
-    let cfg = if columnwise {
-        dequant_cols_grid(m, k, FP8_DEQ_TILE)?
-    } else {
-        dequant_units_grid((m * k).div_ceil(dequant_vals(dtype)))?
+    let cfg = match tile {
+        Some(tile) => FP8_DEQ_TILES.grid(m, k, tile)?,
+        None => dequant_units_grid((m * k).div_ceil(dequant_vals(dtype)))?,
     };
     let [qa, sa, ya] = dequant_addrs(&dev, q, s, y)?;
     let mut p = Params::default();

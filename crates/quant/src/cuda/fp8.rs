@@ -5,9 +5,9 @@ use tessera_core::cuda::{CudaDevice, CudaResultExt, grid_1d};
 use tessera_core::{DType, Device, Error, Result, Tensor};
 
 use super::{
-    BLOCK, FP8_DEQ_TILE, FP8_PTX, Order, Params, amax_target, clear_amaxes, dequant_addrs,
-    dequant_cols_grid, dequant_units_grid, dequant_vals, device_addr, device_addr_mut, device_of,
-    dtype_suffix, format_suffix, launch_params, tile_grid,
+    BLOCK, FP8_DEQ_TILES, FP8_PTX, Order, Params, amax_target, clear_amaxes, dequant_addrs,
+    dequant_units_grid, dequant_vals, device_addr, device_addr_mut, device_of, dtype_suffix,
+    format_suffix, launch_params, tile_grid,
 };
 use crate::values::check_input;
 use crate::{AmaxComputeAlgo, BufferName, DelayedScalingState, Fp8Format, QuantizedTensor};
@@ -230,17 +230,20 @@ pub(crate) fn dequantize_transposed(
         ));
     }
     let dev = device_of(qt)?;
+    // A CTA per tile of the stored [k, m], 64 or 128 rows by 256 bytes by shape (striding
+    // per element when m % 16 != 0).
+    let tile = FP8_DEQ_TILES.pick(m, k, dev.multiprocessors() as usize);
     let f = dev.function(
         &FP8_PTX,
         &format!(
-            "tessera_fp8_dequant_t_{}_{}",
+            "tessera_fp8_dequant_{}{}_{}",
+            tile.infix(),
             dtype_suffix(OP, dtype)?,
             format_suffix(format)
         ),
     )?;
     let (mu, ku) = (m as u64, k as u64);
-    // A CTA per 64x256 tile of the stored [k, m] (striding per element when m % 16 != 0).
-    let cfg = dequant_cols_grid(m, k, FP8_DEQ_TILE)?;
+    let cfg = FP8_DEQ_TILES.grid(m, k, tile)?;
     let [qa, sa, ya] = dequant_addrs(&dev, qt, scale_inv, y)?;
     let mut p = Params::default();
     p.arg(&qa).arg(&ya).arg(&mu).arg(&ku).arg(&sa);

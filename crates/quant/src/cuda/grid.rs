@@ -19,17 +19,95 @@ pub(crate) fn dequant_units_grid(units: usize) -> Result<LaunchConfig> {
 }
 
 /// The launch of a columnwise dequantizer that reads its stored `[k, m]` operand in tiles
-/// of `tile[0]` stored rows by `tile[1]` elements along `m`, a CTA per tile:
-/// `fp8_dequant_cols` ([`FP8_DEQ_TILE`]) and NVFP4's ([`NVFP4_DEQ_TILE`]).
-pub(crate) fn dequant_cols_grid(m: usize, k: usize, tile: [usize; 2]) -> Result<LaunchConfig> {
+/// of `tile[0]` stored rows by `tile[1]` elements along `m`, a CTA per tile.
+fn dequant_cols_grid(m: usize, k: usize, tile: [usize; 2]) -> Result<LaunchConfig> {
     // The stored operand is [k, m]: its row-major tiles are what the kernels map blockIdx to.
     tile_grid("cuda dequantize columnwise", k, m, tile[0], tile[1])
 }
 
-/// `[DEQ_TILE_K, DEQ_TILE_M]` in `common.cuh`.
-pub(crate) const FP8_DEQ_TILE: [usize; 2] = [64, 256];
-/// `[NVFP4_DEQ_TILE_K, NVFP4_DEQ_TILE_M]` in `nvfp4.cu`.
-pub(crate) const NVFP4_DEQ_TILE: [usize; 2] = [64, 256];
+/// The two tiles of a columnwise dequantizer (`fp8_dequant_cols` in `common.cuh`, for FP8
+/// per-tensor and block data; `nvfp4_dequant_cols` in `nvfp4.cu`), `[stored rows, elements
+/// along m]`: the short one suits any shape, the tall one (twice the rows, so twice a
+/// CTA's bytes in flight and half the CTAs) is faster once its grid fills the card and
+/// slower while it leaves SMs idle. [`DeqColsTiles::launch`] picks by shape.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DeqColsTiles {
+    /// The tile of the `_t_` entry points.
+    short: [usize; 2],
+    /// The tile of the `_t_tall_` entry points.
+    tall: [usize; 2],
+    /// CTAs of a tall entry point resident on an SM (its `__launch_bounds__` minimum).
+    tall_per_sm: usize,
+}
+
+/// `fp8_dequant_cols`: `[DEQ_TILE_K | DEQ_TILE_K_TALL, DEQ_TILE_M]` in `common.cuh`, the
+/// tall kernels built for `DEQ_T_TALL_MINB` CTAs an SM (64 registers).
+pub(crate) const FP8_DEQ_TILES: DeqColsTiles = DeqColsTiles {
+    short: [64, 256],
+    tall: [128, 256],
+    tall_per_sm: 4,
+};
+/// `nvfp4_dequant_cols`: `[NVFP4_DEQ_TILE_K | NVFP4_DEQ_TILE_K_TALL, NVFP4_DEQ_TILE_M]` in
+/// `nvfp4.cu`, both built for `NVFP4_DEQ_T_MINB` CTAs an SM (32 registers). The
+/// inverse-RHT kernel has the short tile only.
+pub(crate) const NVFP4_DEQ_TILES: DeqColsTiles = DeqColsTiles {
+    short: [64, 256],
+    tall: [128, 256],
+    tall_per_sm: 8,
+};
+
+/// Which of a columnwise dequantizer's tiles a launch takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ColsTile {
+    /// [`DeqColsTiles::short`]: the `_t_` entry points.
+    Short,
+    /// [`DeqColsTiles::tall`]: the `_t_tall_` entry points.
+    Tall,
+}
+
+impl ColsTile {
+    /// The entry point's infix after the format's prefix (`tessera_fp8_dequant_` ...).
+    pub(crate) fn infix(self) -> &'static str {
+        match self {
+            ColsTile::Short => "t_",
+            ColsTile::Tall => "t_tall_",
+        }
+    }
+}
+
+impl DeqColsTiles {
+    /// The tile for a `[m, k]` output on a device of `sms` SMs: the tall one when its CTAs
+    /// fill at least 7/8 of a wave (`sms * tall_per_sm` resident), else the short one.
+    ///
+    /// Measured on an H100 (132 SMs, bf16, bench/cuda/dequant_variants.cu, 2026-12-06):
+    /// FP8's tall tile ran at 1.06 of a copy against 0.96 at 4096x4096 (512 CTAs, 0.97 of
+    /// a wave) and 0.94-0.95 against 0.86-0.90 from 8192x8192 up, but 0.88 against 0.90 at
+    /// 2048x4096 (half a wave); NVFP4's at 0.85-0.87 against 0.82-0.84 from 4096x8192 up
+    /// (1024 CTAs, 0.97 of a wave), but 0.90 against 0.99 at 4096x4096 (half a wave).
+    pub(crate) fn pick(&self, m: usize, k: usize, sms: usize) -> ColsTile {
+        let tall_ctas = k
+            .div_ceil(self.tall[0])
+            .saturating_mul(m.div_ceil(self.tall[1]));
+        if tall_ctas.saturating_mul(8) >= sms.saturating_mul(self.tall_per_sm).saturating_mul(7) {
+            ColsTile::Tall
+        } else {
+            ColsTile::Short
+        }
+    }
+
+    /// The launch of `tile`: a CTA per tile of the stored `[k, m]` operand, ragged edges
+    /// rounded up; fails past the grid's 2^31 - 1 CTAs.
+    pub(crate) fn grid(&self, m: usize, k: usize, tile: ColsTile) -> Result<LaunchConfig> {
+        dequant_cols_grid(
+            m,
+            k,
+            match tile {
+                ColsTile::Short => self.short,
+                ColsTile::Tall => self.tall,
+            },
+        )
+    }
+}
 
 /// `blocks` CTAs of `BLOCK` threads on a 1-D grid, refused past the grid's limit of
 /// 2^31 - 1 CTAs in x (the kernels launched this way do not stride, so a capped grid would
@@ -153,16 +231,32 @@ mod tests {
         assert_eq!(dequant_units_grid(0).unwrap().grid_dim, (1, 1, 1));
         // A CTA per tile of the stored operand, ragged edges rounded up.
         assert_eq!(
-            dequant_cols_grid(16384, 8192, FP8_DEQ_TILE)
+            FP8_DEQ_TILES
+                .grid(16384, 8192, ColsTile::Short)
                 .unwrap()
                 .grid_dim,
             (128 * 64, 1, 1)
         );
         assert_eq!(
-            dequant_cols_grid(6176, 4192, NVFP4_DEQ_TILE)
+            FP8_DEQ_TILES
+                .grid(16384, 8192, ColsTile::Tall)
+                .unwrap()
+                .grid_dim,
+            (64 * 64, 1, 1)
+        );
+        assert_eq!(
+            NVFP4_DEQ_TILES
+                .grid(6176, 4192, ColsTile::Short)
                 .unwrap()
                 .grid_dim,
             (66 * 25, 1, 1)
+        );
+        assert_eq!(
+            NVFP4_DEQ_TILES
+                .grid(6176, 4192, ColsTile::Tall)
+                .unwrap()
+                .grid_dim,
+            (33 * 25, 1, 1)
         );
         // The kernels do not stride, so a grid past 2^31 - 1 CTAs (CUDA's limit in x) is an
         // error, not a silently capped launch.
@@ -174,10 +268,48 @@ mod tests {
             (i32::MAX as u32, 1, 1)
         );
         assert!(dequant_units_grid((i32::MAX as usize + 1) * per_cta).is_err());
-        assert!(dequant_cols_grid(1 << 40, 1 << 20, FP8_DEQ_TILE).is_err());
+        assert!(
+            FP8_DEQ_TILES
+                .grid(1 << 40, 1 << 20, ColsTile::Short)
+                .is_err()
+        );
+        assert!(
+            NVFP4_DEQ_TILES
+                .grid(1 << 41, 1 << 20, ColsTile::Tall)
+                .is_err()
+        );
         let e = dequant_units_grid(1 << 45).unwrap_err();
         assert!(matches!(e, Error::Shape { .. }), "{e}");
         assert!(e.to_string().contains("exceed the launch grid"), "{e}");
+    }
+
+    #[test]
+    fn columnwise_dequantizers_take_the_tall_tile_once_it_fills_the_card() {
+        // The shapes measured on a 132-SM H100 ([m, k] of the output), each on the side
+        // that ran faster there.
+        let h100 = 132;
+        for (m, k, fp8, nvfp4) in [
+            (2048, 4096, ColsTile::Short, ColsTile::Short),
+            (4096, 4096, ColsTile::Tall, ColsTile::Short),
+            (4096, 8192, ColsTile::Tall, ColsTile::Tall),
+            (8192, 4096, ColsTile::Tall, ColsTile::Tall),
+            (16384, 8192, ColsTile::Tall, ColsTile::Tall),
+            (32768, 8192, ColsTile::Tall, ColsTile::Tall),
+        ] {
+            assert_eq!(FP8_DEQ_TILES.pick(m, k, h100), fp8, "fp8 [{m}, {k}]");
+            assert_eq!(NVFP4_DEQ_TILES.pick(m, k, h100), nvfp4, "nvfp4 [{m}, {k}]");
+        }
+        // More SMs need more CTAs; empty and tiny tensors take the short tile.
+        assert_eq!(FP8_DEQ_TILES.pick(4096, 4096, 160), ColsTile::Short);
+        assert_eq!(FP8_DEQ_TILES.pick(0, 0, h100), ColsTile::Short);
+        assert_eq!(NVFP4_DEQ_TILES.pick(16, 16, h100), ColsTile::Short);
+        // No overflow at the extremes.
+        assert_eq!(
+            FP8_DEQ_TILES.pick(usize::MAX, usize::MAX, usize::MAX),
+            ColsTile::Tall
+        );
+        assert_eq!(ColsTile::Short.infix(), "t_");
+        assert_eq!(ColsTile::Tall.infix(), "t_tall_");
     }
 
     #[test]

@@ -17,8 +17,8 @@
 //!
 //! Dequantizers are one launch each, sized to their work rather than striding: a thread
 //! per two 16-byte units of output for data in the output's order
-//! (`dequant_units_grid`), a CTA per shared-memory tile for transposed columnwise data
-//! (`dequant_cols_grid`).
+//! (`dequant_units_grid`), a CTA per shared-memory tile for transposed columnwise data,
+//! in tiles twice as tall once those fill the card (`DeqColsTiles`).
 //!
 //! The one-pass kernels (MXFP8 and FP8 block quantization, the FP8 casts with a given
 //! scale and the delayed-scaling update, every dequantizer, the layout helpers) are
@@ -46,8 +46,7 @@ pub(crate) use buffers::{
     Outputs, amax_target, clear_amaxes, dequant_addrs, device_addr, device_addr_mut, device_of,
 };
 pub(crate) use grid::{
-    FP8_DEQ_TILE, NVFP4_DEQ_TILE, banded_grid, dequant_cols_grid, dequant_units_grid, tile_grid,
-    tiles_64,
+    ColsTile, FP8_DEQ_TILES, NVFP4_DEQ_TILES, banded_grid, dequant_units_grid, tile_grid, tiles_64,
 };
 pub(crate) use launch::{Order, Params, launch_params};
 

@@ -8,9 +8,9 @@ use tessera_core::{DType, Error, Result, Tensor};
 use tessera_rng::Generator;
 
 use super::{
-    BLOCK, NVFP4_DEQ_TILE, NVFP4_PTX, Order, Outputs, Params, amax_target, banded_grid,
-    clear_amaxes, dequant_addrs, dequant_cols_grid, dequant_units_grid, dequant_vals, device_addr,
-    device_of, dtype_suffix, launch_params, tile_grid,
+    BLOCK, ColsTile, NVFP4_DEQ_TILES, NVFP4_PTX, Order, Outputs, Params, amax_target, banded_grid,
+    clear_amaxes, dequant_addrs, dequant_units_grid, dequant_vals, device_addr, device_of,
+    dtype_suffix, launch_params, tile_grid,
 };
 use crate::values::check_input;
 use crate::{AmaxReduction, BufferName, QuantizedTensor, Usage};
@@ -369,26 +369,29 @@ pub(crate) fn dequantize(
     let (q, s) = qt.data_and_scales(columnwise)?;
     let a = crate::nvfp4::amax_buffer(qt, columnwise)?;
     let dev = device_of(q)?;
+    // Rowwise units of 16 bytes of output, two a thread (k % 16 == 0: whole units);
+    // columnwise a CTA per tile of the transposed data, 64 or 128 q rows by shape, or
+    // with the inverse RHT (its own entry point) always 64.
+    let tile = columnwise.then(|| {
+        if rht {
+            ColsTile::Short
+        } else {
+            NVFP4_DEQ_TILES.pick(m, k, dev.multiprocessors() as usize)
+        }
+    });
     let f = dev.function(
         &NVFP4_PTX,
         &format!(
-            "tessera_nvfp4_dequant_{}{}",
-            match (columnwise, rht) {
-                (false, _) => "",
-                (true, false) => "t_",
-                (true, true) => "t_rht_",
-            },
+            "tessera_nvfp4_dequant_{}{}{}",
+            tile.map_or("", |t| t.infix()),
+            if rht && columnwise { "rht_" } else { "" },
             dtype_suffix(OP, dtype)?
         ),
     )?;
     let dims = [m as u64, k as u64, s.shape().dims()[1] as u64];
-    // Rowwise units of 16 bytes of output, two a thread (k % 16 == 0: whole units);
-    // columnwise a CTA per tile of the transposed data, with or without the inverse RHT
-    // (separate entry points).
-    let cfg = if columnwise {
-        dequant_cols_grid(m, k, NVFP4_DEQ_TILE)?
-    } else {
-        dequant_units_grid(m * k / dequant_vals(dtype))?
+    let cfg = match tile {
+        Some(tile) => NVFP4_DEQ_TILES.grid(m, k, tile)?,
+        None => dequant_units_grid(m * k / dequant_vals(dtype))?,
     };
     let swizzled = i32::from(swizzled);
     let [qa, sa, ya] = dequant_addrs(&dev, q, s, y)?;
