@@ -230,34 +230,15 @@ mod tests {
         // No work still launches one CTA (the per-tensor kernel's tail needs threads).
         assert_eq!(dequant_units_grid(0).unwrap().grid_dim, (1, 1, 1));
         // A CTA per tile of the stored operand, ragged edges rounded up.
-        assert_eq!(
-            FP8_DEQ_TILES
-                .grid(16384, 8192, ColsTile::Short)
-                .unwrap()
-                .grid_dim,
-            (128 * 64, 1, 1)
-        );
-        assert_eq!(
-            FP8_DEQ_TILES
-                .grid(16384, 8192, ColsTile::Tall)
-                .unwrap()
-                .grid_dim,
-            (64 * 64, 1, 1)
-        );
-        assert_eq!(
-            NVFP4_DEQ_TILES
-                .grid(6176, 4192, ColsTile::Short)
-                .unwrap()
-                .grid_dim,
-            (66 * 25, 1, 1)
-        );
-        assert_eq!(
-            NVFP4_DEQ_TILES
-                .grid(6176, 4192, ColsTile::Tall)
-                .unwrap()
-                .grid_dim,
-            (33 * 25, 1, 1)
-        );
+        for (tiles, [m, k], tile, ctas) in [
+            (FP8_DEQ_TILES, [16384, 8192], ColsTile::Short, 128 * 64),
+            (FP8_DEQ_TILES, [16384, 8192], ColsTile::Tall, 64 * 64),
+            (NVFP4_DEQ_TILES, [6176, 4192], ColsTile::Short, 66 * 25),
+            (NVFP4_DEQ_TILES, [6176, 4192], ColsTile::Tall, 33 * 25),
+        ] {
+            let cfg = tiles.grid(m, k, tile).unwrap();
+            assert_eq!(cfg.grid_dim, (ctas, 1, 1), "[{m}, {k}] {tile:?}");
+        }
         // The kernels do not stride, so a grid past 2^31 - 1 CTAs (CUDA's limit in x) is an
         // error, not a silently capped launch.
         let per_cta = BLOCK as usize * DEQ_UNITS;
