@@ -1134,14 +1134,18 @@ struct DeqTile {
 // word w of tile row j at w ^ swz(j) (swz even, so that 8-byte copies stay whole and
 // aligned), zeros past q's edges, and synchronises the CTA. 8-byte loads: a warp reads
 // 256 contiguous bytes of q, TM / 2 bytes of each q row.
+template <int TK, int TM> __device__ __forceinline__ DeqTile nvfp4_dequant_tile(u64 m) {
+    const uint32_t tm = (uint32_t)((m + TM - 1) / TM);
+    return DeqTile{(u64)(blockIdx.x / tm) * TK, (u64)(blockIdx.x % tm) * TM};
+}
+
 template <int TK, int TM, class Swz>
 __device__ __forceinline__ DeqTile nvfp4_dequant_tile_load(const uint8_t* __restrict__ q, u64 m, u64 k,
                                                            uint32_t (*tile)[TM / 8], Swz swz) {
     constexpr int ROW_WORDS = TM / 8;
     static_assert(TK * ROW_WORDS % 512 == 0, "whole 8-byte copies for each of 256 threads");
     const u64 half_m = m / 2;
-    const uint32_t tm = (uint32_t)((m + TM - 1) / TM);
-    const DeqTile t{(u64)(blockIdx.x / tm) * TK, (u64)(blockIdx.x % tm) * TM};
+    const DeqTile t = nvfp4_dequant_tile<TK, TM>(m);
 #pragma unroll
     for (int i = 0; i < TK * ROW_WORDS / 2 / 256; ++i) {
         const int e = threadIdx.x + 256 * i, j = e / (ROW_WORDS / 2), w2 = e % (ROW_WORDS / 2);
@@ -1169,7 +1173,35 @@ __device__ __forceinline__ DeqTile nvfp4_dequant_tile_load(const uint8_t* __rest
 // time of that map at 16384x8192 and 17.9% at 4096x4096. Tiles of 128 q rows (the tall
 // entry point) were 1.4-7% faster from 4096x8192 up (1024 CTAs or more, a wave of 8 a SM
 // or more) and 9% slower at 4096x4096 (512 CTAs, half a wave; bench/cuda/
-// dequant_variants.cu instantiates other tiles; BENCHMARKS.md).
+// dequant_variants.cu instantiates other tiles; BENCHMARKS.md). The tile's scales are
+// decoded into shared memory beside it (nvfp4_dequant_scales_load), where each piece
+// used to load and decode its 8 scale bytes itself: -2.1% / -1.5% time on an H100 at
+// 16384x8192 / 4096x4096.
+// Decodes the scales of a columnwise dequantizer's tile t (rows t.k0 .. + TK - 1 of the
+// scale grid, its TM / 16 columns from t.m0 / 16) into sc[b][j], block column b by q row
+// j, for the caller's __syncthreads to publish. A scale row's 4-byte words (4 columns,
+// contiguous and aligned in both layouts: the grid is padded to whole words, and a
+// swizzled 128x4 tile keeps a row's 4 bytes together) are read 4 * TM / 64 lanes to a
+// row, so a warp's load touches 8 rows where loading each piece's 8 scales (8 rows,
+// one column) touched 16 or 32 rows a byte at a time; each scale is decoded once.
+// Words of rows past k or of blocks past m are not read (their pieces write nothing).
+template <int TK, int TM, int S>
+__device__ __forceinline__ void nvfp4_dequant_scales_load(const uint8_t* __restrict__ s, float A, DeqTile t,
+                                                          u64 m, u64 k, u64 s_cols, int swizzled,
+                                                          float (*sc)[S]) {
+    constexpr int WORDS = TM / 64;  // 4-byte scale words a tile row holds
+    static_assert(TK * WORDS % 256 == 0, "whole words for each of 256 threads");
+#pragma unroll
+    for (int p = 0; p < TK * WORDS / 256; ++p) {
+        const int i = threadIdx.x + 256 * p, w = i % WORDS, j = i / WORDS;
+        const u64 row = t.k0 + j, col = t.m0 / 16 + 4 * w;
+        if (row >= k || col >= m / 16) continue;
+        const uint32_t e4 = *reinterpret_cast<const uint32_t*>(s + scale_index(row, col, s_cols, swizzled));
+#pragma unroll
+        for (int b = 0; b < 4; ++b) sc[4 * w + b][j] = nvfp4_decode_scale((uint8_t)(e4 >> (8 * b)), A);
+    }
+}
+
 template <class T, int TK = NVFP4_DEQ_TILE_K, int TM = NVFP4_DEQ_TILE_M>
 __device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                    const float* __restrict__ amax, T* __restrict__ y, u64 m, u64 k,
@@ -1182,26 +1214,30 @@ __device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t*
     static_assert(TK % 8 == 0 && LK <= 16 && ROW_WORDS >= 32 && PASSES >= 1,
                   "swz even and inside a row, a thread per 8 x 8 values in whole passes");
     __shared__ __align__(16) uint32_t tile[TK][ROW_WORDS];
+    // The tile's decoded scales, a block column's TK values contiguous (a piece reads its
+    // 8 with two 16-byte loads); rows of TK + 4 floats keep those aligned and put the
+    // staging stores of 4 block columns in different banks but for pairs.
+    constexpr int S = TK + 4;
+    __shared__ __align__(16) float scales[TM / 16][S];
     auto swz = [](int j) { return (32 / LK) * ((j / 8) % LK); };
-    const DeqTile t = nvfp4_dequant_tile_load<TK, TM>(q, m, k, tile, swz);
-    const float A = amax[0];
+    nvfp4_dequant_scales_load<TK, TM, S>(s, amax[0], nvfp4_dequant_tile<TK, TM>(m), m, k, s_cols, swizzled,
+                                         scales);
+    const DeqTile t = nvfp4_dequant_tile_load<TK, TM>(q, m, k, tile, swz);  // synchronises
     // Piece i's 8 x 8 values.
     auto piece = [&](uint32_t i) {
         const int kg = (int)(i % LK), mq = (int)(i / LK);  // q rows 8 kg .. + 7, word mq
         const u64 c0 = t.k0 + 8 * kg, r0 = t.m0 + 8 * mq;
         // k % 16 == 0 and m % 16 == 0: the 8 columns and the 8 rows are wholly in or out.
         if (c0 >= k || r0 >= m) return;
-        // The 8 scale bytes: rows c0 .. c0 + 7 of the grid (c0 % 8 == 0), one column; in
-        // the swizzled layout they are 16 bytes apart (swizzled_index).
-        const uint8_t* sp = s + scale_index(c0, r0 / 16, s_cols, swizzled);
-        const u64 s_step = swizzled ? 16 : s_cols;
         uint32_t w[8];
         float sc[8];
+        // Scale rows c0 .. c0 + 7, block column mq / 2 of the tile.
+        const float4* sp = reinterpret_cast<const float4*>(&scales[mq / 2][8 * kg]);
+        const float4 s0 = sp[0], s1 = sp[1];
+        sc[0] = s0.x, sc[1] = s0.y, sc[2] = s0.z, sc[3] = s0.w;
+        sc[4] = s1.x, sc[5] = s1.y, sc[6] = s1.z, sc[7] = s1.w;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            w[j] = tile[8 * kg + j][mq ^ swz(8 * kg + j)];
-            sc[j] = nvfp4_decode_scale(sp[j * s_step], A);
-        }
+        for (int j = 0; j < 8; ++j) w[j] = tile[8 * kg + j][mq ^ swz(8 * kg + j)];
         T* out = y + r0 * k + c0;
 #pragma unroll
         for (int b = 0; b < 8; ++b) {
