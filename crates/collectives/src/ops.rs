@@ -148,7 +148,7 @@ pub fn gather_along_first_dim(
 /// on the device `local` lives on, one coalesced group of all-gathers (the replicated
 /// metadata included, to check it), unpack on the group's device in the
 /// post-processing. CUDA tensors are packed and unpacked with device copies on the
-/// tessera stream ([`packing`](crate::packing)). A shard that cannot travel quantized
+/// tessera stream ([`packing`]). A shard that cannot travel quantized
 /// (blocks would straddle ranks) is dequantized and gathered in high precision.
 pub fn gather_quantized(
     local: QuantizedTensor,

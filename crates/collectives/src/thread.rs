@@ -17,7 +17,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// One rank of a group whose ranks are threads of this process, exchanging host tensors.
 ///
 /// [`ThreadGroup::new`] makes the handles of all ranks; move each into its own thread
-/// (or use [`run_ranks`](crate::run_ranks)). Collectives complete when every rank has
+/// (or use [`run_ranks`]). Collectives complete when every rank has
 /// issued them; a rank that returns early (drops its handle) or calls
 /// [`abort`](ThreadGroup::abort) makes the others' pending and later collectives fail
 /// with an error naming it, instead of hanging. Reductions combine contributions in rank

@@ -85,7 +85,7 @@ impl<'a> Values<'a> {
         }
     }
 
-    /// The NaN-ignoring amax of all values ([`amax`](crate::scale::amax)), in parallel.
+    /// The NaN-ignoring amax of all values ([`amax`]), in parallel.
     pub(crate) fn amax(&self) -> f32 {
         (0..self.len().div_ceil(CHUNK))
             .into_par_iter()

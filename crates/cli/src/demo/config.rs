@@ -401,7 +401,7 @@ impl SiteQuantizer {
     }
 }
 
-/// The quantizers of one block, indexed like [`Site::ALL`].
+/// The quantizers of one block, indexed by [`idx`] of their [`Site`].
 pub(crate) type LayerSites = [SiteQuantizer; 4];
 
 /// Fresh quantizers for every block.

@@ -29,7 +29,7 @@ fn dequant_cols_grid(m: usize, k: usize, tile: [usize; 2]) -> Result<LaunchConfi
 /// per-tensor and block data; `nvfp4_dequant_cols` in `nvfp4.cu`), `[stored rows, elements
 /// along m]`: the short one suits any shape, the tall one (twice the rows, so twice a
 /// CTA's bytes in flight and half the CTAs) is faster once its grid fills the card and
-/// slower while it leaves SMs idle. [`DeqColsTiles::launch`] picks by shape.
+/// slower while it leaves SMs idle. [`DeqColsTiles::pick`] chooses by shape.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct DeqColsTiles {
     /// The tile of the `_t_` entry points.
@@ -83,7 +83,9 @@ impl DeqColsTiles {
     /// FP8's tall tile ran at 1.06 of a copy against 0.96 at 4096x4096 (512 CTAs, 0.97 of
     /// a wave) and 0.94-0.95 against 0.86-0.90 from 8192x8192 up, but 0.88 against 0.90 at
     /// 2048x4096 (half a wave); NVFP4's at 0.85-0.87 against 0.82-0.84 from 4096x8192 up
-    /// (1024 CTAs, 0.97 of a wave), but 0.90 against 0.99 at 4096x4096 (half a wave).
+    /// (1024 CTAs, 0.97 of a wave), but 0.90 against 0.99 at 4096x4096 (half a wave). An
+    /// H200 (also 132 SMs) wins and loses at the same shapes (BENCHMARKS.md, figures of
+    /// record v26).
     pub(crate) fn pick(&self, m: usize, k: usize, sms: usize) -> ColsTile {
         let tall_ctas = k
             .div_ceil(self.tall[0])
