@@ -1181,9 +1181,11 @@ __device__ __forceinline__ DeqTile nvfp4_dequant_tile_load(const uint8_t* __rest
 // scale grid, its TM / 16 columns from t.m0 / 16) into sc[b][j], block column b by q row
 // j, for the caller's __syncthreads to publish. A scale row's 4-byte words (4 columns,
 // contiguous and aligned in both layouts: the grid is padded to whole words, and a
-// swizzled 128x4 tile keeps a row's 4 bytes together) are read 4 * TM / 64 lanes to a
-// row, so a warp's load touches 8 rows where loading each piece's 8 scales (8 rows,
-// one column) touched 16 or 32 rows a byte at a time; each scale is decoded once.
+// swizzled 128x4 tile keeps a row's 4 bytes together) are read TM / 64 lanes to a row
+// (4 in the library), so a warp's load takes 4 bytes a lane from 8 rows, where each
+// piece loading its own 8 scales (8 rows, one column) took a byte a lane from 8 (short
+// tile) or 16 (tall) rows, 8 loads a piece; and each scale is decoded once, not by both
+// pieces of its block.
 // Words of rows past k or of blocks past m are not read (their pieces write nothing).
 template <int TK, int TM, int S>
 __device__ __forceinline__ void nvfp4_dequant_scales_load(const uint8_t* __restrict__ s, float A, DeqTile t,
