@@ -4,18 +4,19 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
+use tessera_core::kernels::PTX_TARGET;
 
-/// nvcc flags shared by the PTX build and the resource report. No fast-math: the
-/// kernels must round exactly like the CPU reference. Warnings are errors: a member
-/// template called without `.template` in a template (`row.fp8<E4M3>(s, w)`) parses as
-/// two comparisons and only warns ("expression has no effect").
-const NVCC_FLAGS: &[&str] = &[
-    "-arch=sm_90",
-    "-std=c++17",
-    "-O3",
-    "-Werror",
-    "all-warnings",
-];
+/// nvcc flags shared by the PTX build and the resource report, after `-arch` (from
+/// [`PTX_TARGET`], which the kernel crates' freshness tests check the PTX against). No
+/// fast-math: the kernels must round exactly like the CPU reference. Warnings are errors:
+/// a member template called without `.template` in a template (`row.fp8<E4M3>(s, w)`)
+/// parses as two comparisons and only warns ("expression has no effect").
+const NVCC_FLAGS: &[&str] = &["-std=c++17", "-O3", "-Werror", "all-warnings"];
+
+/// `-arch=sm_XY` for [`PTX_TARGET`].
+fn arch_flag() -> String {
+    format!("-arch=sm_{}{}", PTX_TARGET.0, PTX_TARGET.1)
+}
 
 pub(crate) fn run(root: &Path, resources: bool, out: Option<&Path>) -> Result<()> {
     let nvcc = find_nvcc()?;
@@ -33,6 +34,7 @@ pub(crate) fn run(root: &Path, resources: bool, out: Option<&Path>) -> Result<()
         let dest = dest_dir.join(format!("{stem}.ptx"));
         let tmp = dest.with_extension("ptx.tmp");
         let status = Command::new(&nvcc)
+            .arg(arch_flag())
             .args(NVCC_FLAGS)
             .arg("-ptx")
             .arg(&cu)
@@ -51,6 +53,7 @@ pub(crate) fn run(root: &Path, resources: bool, out: Option<&Path>) -> Result<()
         if resources {
             let cubin = std::env::temp_dir().join(format!("tessera-{stem}.cubin"));
             let status = Command::new(&nvcc)
+                .arg(arch_flag())
                 .args(NVCC_FLAGS)
                 .args(["-cubin", "-Xptxas", "-v"])
                 .arg(&cu)

@@ -12,7 +12,8 @@
 //!
 //! The PTX is committed and embedded with `include_str!`, so building never needs
 //! nvcc. Each kernel crate has a CPU test calling [`check_ptx_fresh`], which fails when
-//! a `.cu` file changed and its PTX was not regenerated.
+//! a `.cu` file changed and its PTX was not regenerated, or the PTX is for another
+//! architecture than [`PTX_TARGET`].
 
 use sha2::{Digest, Sha256};
 
@@ -20,6 +21,10 @@ use crate::{Error, Result};
 
 /// The prefix of the line that records a PTX file's source hash.
 pub const SOURCE_HASH_PREFIX: &str = "// tessera-source-sha256: ";
+
+/// The GPU architecture `cargo xtask ptx` compiles for (`-arch=sm_90`), as a compute
+/// capability: the least a device needs to run the committed PTX.
+pub const PTX_TARGET: (u32, u32) = (9, 0);
 
 /// A PTX module embedded in a crate: a unique name (the key of the per-device module
 /// cache) and its text.
@@ -42,10 +47,12 @@ pub fn ptx_header(source: &str) -> String {
     format!("{SOURCE_HASH_PREFIX}{}", source_hash(source))
 }
 
-/// Checks that `ptx` was compiled from exactly `source`.
+/// Checks that `ptx` is what `cargo xtask ptx` writes from exactly `source`: compiled
+/// from it, for [`PTX_TARGET`] (what `CudaDevice::function` compares with a device's
+/// compute capability).
 ///
 /// Returns [`Error::StaleKernel`] naming the file when the recorded hash is missing or
-/// differs, with the command that fixes it.
+/// differs, or the `.target` is another architecture, with the command that fixes it.
 pub fn check_ptx_fresh(name: &str, source: &str, ptx: &str) -> Result<()> {
     let expected = source_hash(source);
     let recorded = ptx
@@ -54,7 +61,18 @@ pub fn check_ptx_fresh(name: &str, source: &str, ptx: &str) -> Result<()> {
         .and_then(|l| l.strip_prefix(SOURCE_HASH_PREFIX))
         .map(str::trim);
     match recorded {
-        Some(h) if h == expected => Ok(()),
+        Some(h) if h == expected => match ptx_target(ptx) {
+            Some(t) if t == PTX_TARGET => Ok(()),
+            t => Err(Error::StaleKernel {
+                name: name.to_owned(),
+                msg: format!(
+                    "the PTX targets {}, `cargo xtask ptx` writes sm_{}{}; regenerate it",
+                    t.map_or("no architecture".to_owned(), |(a, b)| format!("sm_{a}{b}")),
+                    PTX_TARGET.0,
+                    PTX_TARGET.1
+                ),
+            }),
+        },
         Some(h) => Err(Error::StaleKernel {
             name: name.to_owned(),
             msg: format!(
@@ -129,8 +147,18 @@ mod tests {
     #[test]
     fn fresh_and_stale_ptx() {
         let src = "__global__ void k() {}\n";
-        let ptx = format!("{}\n.version 9.0\n", ptx_header(src));
+        let ptx = format!("{}\n.version 9.0\n.target sm_90\n", ptx_header(src));
         check_ptx_fresh("k.cu", src, &ptx).unwrap();
+        // The right source compiled for another architecture (or none) is stale too.
+        for other in [".target sm_80\n", ""] {
+            let ptx = format!("{}\n.version 9.0\n{other}", ptx_header(src));
+            let err = check_ptx_fresh("k.cu", src, &ptx).unwrap_err();
+            assert!(matches!(err, Error::StaleKernel { .. }), "{err}");
+            assert!(
+                err.to_string().contains("`cargo xtask ptx` writes sm_90"),
+                "{err}"
+            );
+        }
         let err = check_ptx_fresh("k.cu", "__global__ void k2() {}\n", &ptx).unwrap_err();
         assert!(matches!(err, Error::StaleKernel { .. }), "{err}");
         assert!(err.to_string().contains("cargo xtask ptx"));

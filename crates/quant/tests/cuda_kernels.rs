@@ -1631,11 +1631,5 @@ fn committed_ptx_is_fresh() {
         ),
     ] {
         tessera_core::kernels::check_ptx_fresh(name, &[cu, common].concat(), ptx).unwrap();
-        // What `CudaDevice::function` compares with the device's compute capability.
-        assert_eq!(
-            tessera_core::kernels::ptx_target(ptx),
-            Some((9, 0)),
-            "{name}"
-        );
     }
 }
