@@ -87,9 +87,7 @@ impl DeqColsTiles {
     /// H200 (also 132 SMs) wins and loses at the same shapes (BENCHMARKS.md, figures of
     /// record v26).
     pub(crate) fn pick(&self, m: usize, k: usize, sms: usize) -> ColsTile {
-        let tall_ctas = k
-            .div_ceil(self.tall[0])
-            .saturating_mul(m.div_ceil(self.tall[1]));
+        let tall_ctas = tile_count(k, m, self.tall[0], self.tall[1]);
         if tall_ctas.saturating_mul(8) >= sms.saturating_mul(self.tall_per_sm).saturating_mul(7) {
             ColsTile::Tall
         } else {
@@ -151,6 +149,12 @@ pub(crate) fn tiles_64(rows: usize, cols: usize) -> Result<LaunchConfig> {
     })
 }
 
+/// The `tm x tk` tiles covering an `[m, k]` matrix, ragged edges rounded up, at least one
+/// (saturating: a count past any grid's limit stays past it).
+fn tile_count(m: usize, k: usize, tm: usize, tk: usize) -> usize {
+    m.div_ceil(tm).max(1).saturating_mul(k.div_ceil(tk).max(1))
+}
+
 /// The launch of a tile kernel over an `[m, k]` matrix cut into `tm x tk` tiles: a 1-D
 /// grid of one CTA per tile, which the kernel maps to its tile, in row-major order
 /// (`tile_row` / `tile_col` in kernels/common.cuh; the general NVFP4 kernel takes them
@@ -162,7 +166,7 @@ pub(crate) fn tile_grid(
     tm: usize,
     tk: usize,
 ) -> Result<LaunchConfig> {
-    let tiles = m.div_ceil(tm).max(1).saturating_mul(k.div_ceil(tk).max(1));
+    let tiles = tile_count(m, k, tm, tk);
     if tiles > i32::MAX as usize {
         return Err(Error::shape(
             op,
