@@ -474,7 +474,8 @@ __global__ void __launch_bounds__(256) nv_cols(const uint8_t* __restrict__ q, co
     static_assert(LK * (TM / 16) == 256, "a thread per (4 q rows, 16-block)");
     __shared__ __align__(16) uint32_t tile[TK][ROW_WORDS];
     auto swz = [](int j) { return 2 * ((j / 4) % (TM / 16)); };
-    const DeqTile t = nvfp4_dequant_tile_load<TK, TM>(q, m, k, tile, swz);
+    const DeqTile t = nvfp4_dequant_tile<TK, TM>(m);
+    nvfp4_dequant_tile_load<TK, TM>(q, m, k, t, tile, swz);
     const u64 k0 = t.k0, m0 = t.m0;
     const int tid = threadIdx.x;
     const int kg = tid % LK, mb = tid / LK;

@@ -1130,22 +1130,22 @@ struct DeqTile {
     u64 k0, m0;
 };
 
-// Copies the CTA's TK x TM tile of q ([k, m / 2] bytes; m % 16 == 0) into shared memory,
-// word w of tile row j at w ^ swz(j) (swz even, so that 8-byte copies stay whole and
-// aligned), zeros past q's edges, and synchronises the CTA. 8-byte loads: a warp reads
-// 256 contiguous bytes of q, TM / 2 bytes of each q row.
+// This CTA's tile (blockIdx.x in row-major order over the tiles of q).
 template <int TK, int TM> __device__ __forceinline__ DeqTile nvfp4_dequant_tile(u64 m) {
     const uint32_t tm = (uint32_t)((m + TM - 1) / TM);
     return DeqTile{(u64)(blockIdx.x / tm) * TK, (u64)(blockIdx.x % tm) * TM};
 }
 
+// Copies the CTA's TK x TM tile t of q ([k, m / 2] bytes; m % 16 == 0) into shared
+// memory, word w of tile row j at w ^ swz(j) (swz even, so that 8-byte copies stay whole
+// and aligned), zeros past q's edges, and synchronises the CTA. 8-byte loads: a warp
+// reads 256 contiguous bytes of q, TM / 2 bytes of each q row.
 template <int TK, int TM, class Swz>
-__device__ __forceinline__ DeqTile nvfp4_dequant_tile_load(const uint8_t* __restrict__ q, u64 m, u64 k,
-                                                           uint32_t (*tile)[TM / 8], Swz swz) {
+__device__ __forceinline__ void nvfp4_dequant_tile_load(const uint8_t* __restrict__ q, u64 m, u64 k, DeqTile t,
+                                                        uint32_t (*tile)[TM / 8], Swz swz) {
     constexpr int ROW_WORDS = TM / 8;
     static_assert(TK * ROW_WORDS % 512 == 0, "whole 8-byte copies for each of 256 threads");
     const u64 half_m = m / 2;
-    const DeqTile t = nvfp4_dequant_tile<TK, TM>(m);
 #pragma unroll
     for (int i = 0; i < TK * ROW_WORDS / 2 / 256; ++i) {
         const int e = threadIdx.x + 256 * i, j = e / (ROW_WORDS / 2), w2 = e % (ROW_WORDS / 2);
@@ -1156,7 +1156,6 @@ __device__ __forceinline__ DeqTile nvfp4_dequant_tile_load(const uint8_t* __rest
         *reinterpret_cast<uint2*>(&tile[j][(2 * w2) ^ swz(j)]) = v;
     }
     __syncthreads();
-    return t;
 }
 
 // Columnwise without the RHT: q is the [k, m] transpose (m / 2 bytes a row), its
@@ -1222,9 +1221,9 @@ __device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t*
     constexpr int S = TK + 4;
     __shared__ __align__(16) float scales[TM / 16][S];
     auto swz = [](int j) { return (32 / LK) * ((j / 8) % LK); };
-    nvfp4_dequant_scales_load<TK, TM, S>(s, amax[0], nvfp4_dequant_tile<TK, TM>(m), m, k, s_cols, swizzled,
-                                         scales);
-    const DeqTile t = nvfp4_dequant_tile_load<TK, TM>(q, m, k, tile, swz);  // synchronises
+    const DeqTile t = nvfp4_dequant_tile<TK, TM>(m);
+    nvfp4_dequant_scales_load<TK, TM, S>(s, amax[0], t, m, k, s_cols, swizzled, scales);
+    nvfp4_dequant_tile_load<TK, TM>(q, m, k, t, tile, swz);  // synchronises
     // Piece i's 8 x 8 values.
     auto piece = [&](uint32_t i) {
         const int kg = (int)(i % LK), mq = (int)(i / LK);  // q rows 8 kg .. + 7, word mq
@@ -1269,7 +1268,8 @@ __device__ void nvfp4_dequant_cols_rht(const uint8_t* __restrict__ q, const uint
     // blocks) take two wavefronts, the least 256 bytes need.
     __shared__ __align__(16) uint32_t tile[NVFP4_DEQ_TILE_K][NVFP4_DEQ_TILE_M / 8];
     auto swz = [](int j) { return 2 * ((j / 4) % 16); };
-    const DeqTile t = nvfp4_dequant_tile_load<NVFP4_DEQ_TILE_K, NVFP4_DEQ_TILE_M>(q, m, k, tile, swz);
+    const DeqTile t = nvfp4_dequant_tile<NVFP4_DEQ_TILE_K, NVFP4_DEQ_TILE_M>(m);
+    nvfp4_dequant_tile_load<NVFP4_DEQ_TILE_K, NVFP4_DEQ_TILE_M>(q, m, k, t, tile, swz);
     const int tid = threadIdx.x;
     const int kg = tid % 16, mb = tid / 16;  // q rows 4 kg .. + 3, the 16-block mb of the tile
     const u64 c0 = t.k0 + 4 * kg, r0 = t.m0 + 16 * mb;
