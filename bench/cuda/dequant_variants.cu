@@ -301,6 +301,12 @@ static void run_shape(u64 M, u64 K, int sms, bool sweep = false) {
     std::printf("%-40s %8.4f ms %8.1f GB/s %6.3f of copy\n", "copy kernel, 16 B per lane, grid_1d", ms,
                 4.0 * n / ms / 1e6, 4.0 * n / ms / 1e6 / copy_gbs);
 
+    auto release = [&] {
+        CK(cudaFree(q));
+        CK(cudaFree(y));
+        CK(cudaFree(y2));
+        CK(cudaFree(sp));
+    };
     auto row = [&](const char* name, auto launch) {
         CK(cudaMemset(y, 0xFF, 2 * n));
         report(name, time_ms(launch), bytes, y, 2 * n);
@@ -325,10 +331,7 @@ static void run_shape(u64 M, u64 K, int sms, bool sweep = false) {
     row("col library 128x256, 4 CTAs/SM", [&] { col_lib<128, 4><<<tall_tiles, 256>>>(q, y, M, K, sp); });
     if (sweep) {
         row("col library 128x256, 8 CTAs/SM", [&] { col_lib<128, 8><<<tall_tiles, 256>>>(q, y, M, K, sp); });
-        CK(cudaFree(q));
-        CK(cudaFree(y));
-        CK(cudaFree(y2));
-        CK(cudaFree(sp));
+        release();
         return;
     }
     row("col exp map0 sw1 pw64", [&] { col_exp<0, 1, 64><<<tiles, 256>>>(q, y, M, K, sp); });
@@ -354,10 +357,7 @@ static void run_shape(u64 M, u64 K, int sms, bool sweep = false) {
     row("col smem padded, 4 waves", [&] {
         col_smem<<<(unsigned)std::min<u64>(n / (64 * 256), 4ull * sms * 8), 256>>>(q, y, M, K, sp);
     });
-    CK(cudaFree(q));
-    CK(cudaFree(y));
-    CK(cudaFree(y2));
-    CK(cudaFree(sp));
+    release();
 }
 
 // ---- NVFP4 rowwise -------------------------------------------------------------------------
