@@ -475,7 +475,8 @@ __global__ void __launch_bounds__(256) nv_cols(const uint8_t* __restrict__ q, co
     __shared__ __align__(16) uint32_t tile[TK][ROW_WORDS];
     auto swz = [](int j) { return 2 * ((j / 4) % (TM / 16)); };
     const DeqTile t = nvfp4_dequant_tile<TK, TM>(m);
-    nvfp4_dequant_tile_load<TK, TM>(q, m, k, t, tile, swz);
+    DeqTileChunks<TK, TM>(q, m, k, t).stage(tile, swz);
+    __syncthreads();
     const u64 k0 = t.k0, m0 = t.m0;
     const int tid = threadIdx.x;
     const int kg = tid % LK, mb = tid / LK;

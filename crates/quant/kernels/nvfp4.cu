@@ -1136,27 +1136,70 @@ template <int TK, int TM> __device__ __forceinline__ DeqTile nvfp4_dequant_tile(
     return DeqTile{(u64)(blockIdx.x / tm) * TK, (u64)(blockIdx.x % tm) * TM};
 }
 
-// Copies the CTA's TK x TM tile t of q ([k, m / 2] bytes; m % 16 == 0) into shared
-// memory, word w of tile row j at w ^ swz(j) (swz even, so that 8-byte copies stay whole
-// and aligned), zeros past q's edges, and synchronises the CTA. 8-byte loads: a warp
-// reads 256 contiguous bytes of q, TM / 2 bytes of each q row.
-template <int TK, int TM, class Swz>
-__device__ __forceinline__ void nvfp4_dequant_tile_load(const uint8_t* __restrict__ q, u64 m, u64 k, DeqTile t,
-                                                        uint32_t (*tile)[TM / 8], Swz swz) {
-    constexpr int ROW_WORDS = TM / 8;
+// The CTA's TK x TM tile t of q ([k, m / 2] bytes; m % 16 == 0) in flight: the thread's
+// 8-byte chunks, loaded (zeros past q's edges) before any is stored, so that all of them
+// wait on one round trip to memory. (Loaded and stored one at a time, the stores waited
+// on each load in turn: 8 round trips a tall tile.) A warp reads 256 contiguous bytes of
+// q, TM / 2 bytes of each q row.
+template <int TK, int TM> struct DeqTileChunks {
+    static constexpr int ROW_WORDS = TM / 8, N = TK * ROW_WORDS / 2 / 256;
     static_assert(TK * ROW_WORDS % 512 == 0, "whole 8-byte copies for each of 256 threads");
-    const u64 half_m = m / 2;
+    uint2 v[N];
+    // Chunk i of this thread: tile row j, 8-byte column w2.
+    static __device__ __forceinline__ int row(int i) { return (threadIdx.x + 256 * i) / (ROW_WORDS / 2); }
+    static __device__ __forceinline__ int col(int i) { return (threadIdx.x + 256 * i) % (ROW_WORDS / 2); }
+    __device__ __forceinline__ DeqTileChunks(const uint8_t* __restrict__ q, u64 m, u64 k, DeqTile t) {
+        const u64 half_m = m / 2;
 #pragma unroll
-    for (int i = 0; i < TK * ROW_WORDS / 2 / 256; ++i) {
-        const int e = threadIdx.x + 256 * i, j = e / (ROW_WORDS / 2), w2 = e % (ROW_WORDS / 2);
-        uint2 v = {0, 0};
-        // m % 16 == 0: an 8-byte chunk is wholly inside a q row or wholly past it.
-        if (t.k0 + j < k && t.m0 / 2 + 8 * w2 < half_m)
-            v = *reinterpret_cast<const uint2*>(q + (t.k0 + j) * half_m + t.m0 / 2 + 8 * w2);
-        *reinterpret_cast<uint2*>(&tile[j][(2 * w2) ^ swz(j)]) = v;
+        for (int i = 0; i < N; ++i) {
+            const int j = row(i), w2 = col(i);
+            // m % 16 == 0: an 8-byte chunk is wholly inside a q row or wholly past it.
+            const bool in = t.k0 + j < k && t.m0 / 2 + 8 * w2 < half_m;
+            v[i] = in ? *reinterpret_cast<const uint2*>(q + (t.k0 + j) * half_m + t.m0 / 2 + 8 * w2)
+                      : make_uint2(0u, 0u);
+        }
     }
-    __syncthreads();
-}
+    // Stores the chunks into the shared tile, word w of tile row j at w ^ swz(j) (swz
+    // even, so that 8-byte copies stay whole and aligned), for the caller's
+    // __syncthreads to publish.
+    template <class Swz> __device__ __forceinline__ void stage(uint32_t (*tile)[ROW_WORDS], Swz swz) const {
+#pragma unroll
+        for (int i = 0; i < N; ++i) *reinterpret_cast<uint2*>(&tile[row(i)][(2 * col(i)) ^ swz(row(i))]) = v[i];
+    }
+};
+
+// The scales of a columnwise dequantizer's tile t (rows t.k0 .. + TK - 1 of the scale
+// grid, its TM / 16 columns from t.m0 / 16) in flight, as 4-byte words (4 columns,
+// contiguous and aligned in both layouts: the grid is padded to whole words, and a
+// swizzled 128x4 tile keeps a row's 4 bytes together), read TM / 64 lanes to a row (4 in
+// the library), so a warp's load takes 4 bytes a lane from 8 rows, where each piece
+// loading its own 8 scales (8 rows, one column) took a byte a lane from 8 (short tile)
+// or 16 (tall) rows, 8 loads a piece. Words of rows past k or of blocks past m are not
+// read: they hold 0, decoded into slots that no piece reads (its pieces write nothing).
+template <int TK, int TM> struct DeqTileScales {
+    static constexpr int WORDS = TM / 64, N = TK * WORDS / 256;  // 4-byte words a tile row holds
+    static_assert(TK * WORDS % 256 == 0, "whole words for each of 256 threads");
+    uint32_t e4[N];
+    static __device__ __forceinline__ int row(int p) { return (threadIdx.x + 256 * p) / WORDS; }
+    static __device__ __forceinline__ int word(int p) { return (threadIdx.x + 256 * p) % WORDS; }
+    __device__ __forceinline__ DeqTileScales(const uint8_t* __restrict__ s, DeqTile t, u64 m, u64 k, u64 s_cols,
+                                             int swizzled) {
+#pragma unroll
+        for (int p = 0; p < N; ++p) {
+            const u64 r = t.k0 + row(p), c = t.m0 / 16 + 4 * word(p);
+            e4[p] = r < k && c < m / 16 ? *reinterpret_cast<const uint32_t*>(s + scale_index(r, c, s_cols, swizzled))
+                                        : 0u;
+        }
+    }
+    // Decodes each scale once into sc[b][j], block column b by tile row j, for the
+    // caller's __syncthreads to publish.
+    template <int S> __device__ __forceinline__ void stage(float A, float (*sc)[S]) const {
+#pragma unroll
+        for (int p = 0; p < N; ++p)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) sc[4 * word(p) + b][row(p)] = nvfp4_decode_scale((uint8_t)(e4[p] >> (8 * b)), A);
+    }
+};
 
 // Columnwise without the RHT: q is the [k, m] transpose (m / 2 bytes a row), its
 // 16-element blocks along m. A CTA of 256 threads per tile of TK q rows by TM values
@@ -1173,36 +1216,9 @@ __device__ __forceinline__ void nvfp4_dequant_tile_load(const uint8_t* __restric
 // entry point) were 1.4-7% faster from 4096x8192 up (1024 CTAs or more, a wave of 8 a SM
 // or more) and 9% slower at 4096x4096 (512 CTAs, half a wave; bench/cuda/
 // dequant_variants.cu instantiates other tiles; BENCHMARKS.md). The tile's scales are
-// decoded into shared memory beside it (nvfp4_dequant_scales_load), where each piece
-// used to load and decode its 8 scale bytes itself: -2.1% / -1.5% time on an H100 at
-// 16384x8192 / 4096x4096.
-// Decodes the scales of a columnwise dequantizer's tile t (rows t.k0 .. + TK - 1 of the
-// scale grid, its TM / 16 columns from t.m0 / 16) into sc[b][j], block column b by q row
-// j, for the caller's __syncthreads to publish. A scale row's 4-byte words (4 columns,
-// contiguous and aligned in both layouts: the grid is padded to whole words, and a
-// swizzled 128x4 tile keeps a row's 4 bytes together) are read TM / 64 lanes to a row
-// (4 in the library), so a warp's load takes 4 bytes a lane from 8 rows, where each
-// piece loading its own 8 scales (8 rows, one column) took a byte a lane from 8 (short
-// tile) or 16 (tall) rows, 8 loads a piece; and each scale is decoded once, not by both
-// pieces of its block.
-// Words of rows past k or of blocks past m are not read (their pieces write nothing).
-template <int TK, int TM, int S>
-__device__ __forceinline__ void nvfp4_dequant_scales_load(const uint8_t* __restrict__ s, float A, DeqTile t,
-                                                          u64 m, u64 k, u64 s_cols, int swizzled,
-                                                          float (*sc)[S]) {
-    constexpr int WORDS = TM / 64;  // 4-byte scale words a tile row holds
-    static_assert(TK * WORDS % 256 == 0, "whole words for each of 256 threads");
-#pragma unroll
-    for (int p = 0; p < TK * WORDS / 256; ++p) {
-        const int i = threadIdx.x + 256 * p, w = i % WORDS, j = i / WORDS;
-        const u64 row = t.k0 + j, col = t.m0 / 16 + 4 * w;
-        if (row >= k || col >= m / 16) continue;
-        const uint32_t e4 = *reinterpret_cast<const uint32_t*>(s + scale_index(row, col, s_cols, swizzled));
-#pragma unroll
-        for (int b = 0; b < 4; ++b) sc[4 * w + b][j] = nvfp4_decode_scale((uint8_t)(e4 >> (8 * b)), A);
-    }
-}
-
+// decoded into shared memory beside it (DeqTileScales), where each piece used to load
+// and decode its 8 scale bytes itself: -2.1% / -1.5% time on an H100 at 16384x8192 /
+// 4096x4096.
 template <class T, int TK = NVFP4_DEQ_TILE_K, int TM = NVFP4_DEQ_TILE_M>
 __device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                    const float* __restrict__ amax, T* __restrict__ y, u64 m, u64 k,
@@ -1222,8 +1238,26 @@ __device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t*
     __shared__ __align__(16) float scales[TM / 16][S];
     auto swz = [](int j) { return (32 / LK) * ((j / 8) % LK); };
     const DeqTile t = nvfp4_dequant_tile<TK, TM>(m);
-    nvfp4_dequant_scales_load<TK, TM, S>(s, amax[0], t, m, k, s_cols, swizzled, scales);
-    nvfp4_dequant_tile_load<TK, TM>(q, m, k, t, tile, swz);  // synchronises
+    // Every load of the tile and its scales is issued before the first is used (one
+    // round trip; the SASS shows it). The tile used to be loaded and stored a chunk at a
+    // time, the scales before it: ptxas kept that order, 11 round trips a tall tile and 5
+    // a short one. H100, 73 runs: 0.883 -> 0.905 of a copy at 16384x8192 (-2.4% time),
+    // 1.058 -> 1.111 at 4096x4096 (-4.8%). In this order ptxas keeps the tall tile's 8 chunks
+    // in 32 registers without spilling (the other order spilled 8 bytes), and in the
+    // other it issues all of the short tile's chunks first (in this one its last chunk
+    // waited for the scales' stores).
+    if constexpr (DeqTileChunks<TK, TM>::N > 4) {
+        const DeqTileScales<TK, TM> words(s, t, m, k, s_cols, swizzled);
+        const DeqTileChunks<TK, TM> chunks(q, m, k, t);
+        words.stage(amax[0], scales);
+        chunks.stage(tile, swz);
+    } else {
+        const DeqTileChunks<TK, TM> chunks(q, m, k, t);
+        const DeqTileScales<TK, TM> words(s, t, m, k, s_cols, swizzled);
+        words.stage(amax[0], scales);
+        chunks.stage(tile, swz);
+    }
+    __syncthreads();
     // Piece i's 8 x 8 values.
     auto piece = [&](uint32_t i) {
         const int kg = (int)(i % LK), mq = (int)(i / LK);  // q rows 8 kg .. + 7, word mq
@@ -1253,7 +1287,7 @@ __device__ void nvfp4_dequant_cols(const uint8_t* __restrict__ q, const uint8_t*
 }
 
 // Columnwise with the RHT: each block inverse-transformed. The plain kernel's tiles and
-// their load (nvfp4_dequant_tile_load); each thread decodes one block from each of 4 q
+// their load (DeqTileChunks); each thread decodes one block from each of 4 q
 // rows (4 output columns) and writes the block's 16 output rows, one 4-column store a
 // row (8 bytes of bf16 or f16, 16 of f32). Sixteen lanes take the 64 columns of a block,
 // so a warp stores 128 (256) contiguous bytes of each of 2 rows per instruction. Its own
@@ -1269,7 +1303,8 @@ __device__ void nvfp4_dequant_cols_rht(const uint8_t* __restrict__ q, const uint
     __shared__ __align__(16) uint32_t tile[NVFP4_DEQ_TILE_K][NVFP4_DEQ_TILE_M / 8];
     auto swz = [](int j) { return 2 * ((j / 4) % 16); };
     const DeqTile t = nvfp4_dequant_tile<NVFP4_DEQ_TILE_K, NVFP4_DEQ_TILE_M>(m);
-    nvfp4_dequant_tile_load<NVFP4_DEQ_TILE_K, NVFP4_DEQ_TILE_M>(q, m, k, t, tile, swz);
+    DeqTileChunks<NVFP4_DEQ_TILE_K, NVFP4_DEQ_TILE_M>(q, m, k, t).stage(tile, swz);
+    __syncthreads();
     const int tid = threadIdx.x;
     const int kg = tid % 16, mb = tid / 16;  // q rows 4 kg .. + 3, the 16-block mb of the tile
     const u64 c0 = t.k0 + 4 * kg, r0 = t.m0 + 16 * mb;
