@@ -270,7 +270,7 @@ __device__ void block_dequant_impl(const uint8_t* __restrict__ q, const float* _
                                    T* __restrict__ y, u64 m, u64 k, u64 s_cols, int mode) {
     const bool two_d = mode >= 2;
     if constexpr (COL) {
-        fp8_dequant_cols<T, E4M3, TK>(q, y, m, k, [=](u64 r, u64 c) {
+        fp8_dequant_cols<T, E4M3, TK, true>(q, y, m, k, [=](u64 r, u64 c) {
             return two_d ? s[(c / 128) * s_cols + r / 128] : s[(r / 128) * s_cols + c];
         });
     } else {
