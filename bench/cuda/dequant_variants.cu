@@ -507,7 +507,9 @@ __global__ void __launch_bounds__(256) nv_cols(const uint8_t* __restrict__ q, co
 // 16384x8192 / 4096x4096 (dequant-variants-h100-2026-12-06.txt, from a copy of the
 // kernel here that read compact scales only): 64 x 256 at 8 CTAs per SM (the library's
 // tile) 0.832 / 0.988 of a copy, at 6 0.828 / 0.836, at 4 0.725 / 0.802; 64 x 512
-// 0.819 / 0.937; 128 x 256 0.853 / 0.902; 32 x 512 0.765 / 0.932.
+// 0.819 / 0.937; 128 x 256 0.853 / 0.902; 32 x 512 0.765 / 0.932. Those loaded the tile a
+// chunk at a time; with every load in flight together (c7f64d3), 64 x 256 0.849 / 1.090,
+// 128 x 256 0.895 / 1.030 (dequant-nvfp4-cols-h100-2026-12-06-s41.txt).
 template <int TK, int TM, int MINB>
 __global__ void __launch_bounds__(256, MINB) nv_cols8(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                                       const float* __restrict__ amax, bf16* __restrict__ y, u64 m,
