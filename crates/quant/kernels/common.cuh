@@ -498,9 +498,9 @@ constexpr int DEQ_TILE_K = 64, DEQ_TILE_K_TALL = 128, DEQ_TILE_M = 256;
 // stages its tile's 2 x TK scales in shared memory, loaded with its tile (one round trip
 // to memory for a short tile, two for a tall one: see below), where each pass's 8 scales
 // were loaded after the barrier (a second round trip a pass: 5 round trips a tall tile,
-// 3 a short one). H100, 61 runs: FP8 block 1x128
-// columnwise -0.3% time at 16384x8192, -3.0% at 4096x4096. Otherwise (per-tensor
-// scaling) scale is a constant the passes read directly.
+// 3 a short one). H100, 61 runs: FP8 block 1x128 columnwise -0.3% time at 16384x8192,
+// -3.0% at 4096x4096. Otherwise (per-tensor scaling) scale is a constant the passes read
+// directly.
 template <class T, bool E4M3, int TK = DEQ_TILE_K, bool STAGED = false, class Scale>
 __device__ __forceinline__ void fp8_dequant_cols(const uint8_t* __restrict__ q, T* __restrict__ y, u64 m, u64 k,
                                                  Scale scale) {
