@@ -260,6 +260,13 @@ fn main() -> Result<()> {
                 &mut Nvfp4Quantizer::new().with_usage(usage),
                 true,
             )?;
+            // TE's recipe for weights: 16x16 blocks.
+            b.quantizer(
+                &x,
+                &format!("nvfp4 2d {u}"),
+                &mut Nvfp4Quantizer::new().with_2d(true).with_usage(usage),
+                true,
+            )?;
         }
         // TE's NVFP4 recipes: inputs with the RHT (round to nearest), gradients with
         // the RHT and stochastic rounding.

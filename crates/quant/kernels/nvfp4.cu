@@ -669,6 +669,122 @@ __device__ __forceinline__ void both_tile(const BothTile<T>& d, const BothLane& 
     Parts::flush(stage, a, R0, C0);
 }
 
+// ---- 2-D blocks, round to nearest, without the RHT (2-byte inputs) ----------------------
+//
+// TE's recipe for weights: one E4M3 scale per 16x16 block, shared by both orientations
+// (which share the global amax without the RHT), so that a value has the same code in
+// both and the columnwise data is the rowwise data transposed. On the both kernel's
+// tiles and lanes a 16x16 block is the 4 lanes {l, l ^ 1, l ^ 8, l ^ 9}, 8x8 values each:
+// each lane encodes its values once, as rows, and transposes its 8x8 nibbles for the
+// columns (64 encodes a lane, where 1-D blocks take 128).
+
+// The 8x8 transpose of nibbles: w[i] holds row i (column j in bits 4j .. 4j + 3), c[j]
+// receives column j (row i in bits 4i .. 4i + 3). Byte permutes swap the 4x4 quadrants,
+// then the 2x2 blocks within them; shifts and masks the nibbles within bytes: 32
+// operations.
+__device__ __forceinline__ void transpose_nibbles8(const uint32_t* w, uint32_t* c) {
+    // h[i], i < 4: columns 0-3 of rows i and i + 4; h[4 + i]: columns 4-7 of them.
+    uint32_t h[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        h[i] = prmt(w[i], w[i + 4], 0x5410u);
+        h[4 + i] = prmt(w[i], w[i + 4], 0x7632u);
+    }
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            // Columns j, j + 1 (one byte a row): x0 of rows 0, 2, 4, 6, x1 of rows 1, 3, 5, 7.
+            const int j = 4 * q + 2 * s;
+            const uint32_t sel = s ? 0x7351u : 0x6240u;
+            const uint32_t x0 = prmt(h[4 * q], h[4 * q + 2], sel), x1 = prmt(h[4 * q + 1], h[4 * q + 3], sel);
+            c[j] = (x0 & 0x0F0F0F0Fu) | ((x1 << 4) & 0xF0F0F0F0u);
+            c[j + 1] = ((x0 >> 4) & 0x0F0F0F0Fu) | (x1 & 0xF0F0F0F0u);
+        }
+}
+
+// Quantizes the 128x128 tile at (R0, C0) of 2-byte inputs in 16x16 blocks, the lane's
+// values in d (zeros when !valid), with the tables filled; synchronises the CTA twice
+// (before it reads the tables, and before the flush). A warp whose blocks all pass
+// `b <= lim[e]` (both_tile's fast path) encodes without saturation or NaN handling and
+// takes the signs from the raw bits; any other warp as nvfp4_impl does (NaN-ignoring
+// block amax, saturating encoder). Both give the same bytes.
+template <class T>
+__device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
+                                             const Nvfp4Args& a, BothShared& sh) {
+    const int rt = l.rt, ct = l.ct;
+    const u64 r0 = R0 + rt, col = C0 + ct;
+    // The block's |.| max, NaN-propagating: the lane's 64 values as packed pairs (a row's
+    // 4 words, then a tree over the rows), then over the block's 4 lanes, then the halves.
+    uint32_t rm[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        rm[i] = hmax2w<T, true>(hmax2w<T, true>(habs2w<T>(d.w[i][0]), habs2w<T>(d.w[i][1])),
+                                hmax2w<T, true>(habs2w<T>(d.w[i][2]), habs2w<T>(d.w[i][3])));
+#pragma unroll
+    for (int s = 4; s > 0; s /= 2)
+#pragma unroll
+        for (int i = 0; i < s; ++i) rm[i] = hmax2w<T, true>(rm[i], rm[i + s]);
+    uint32_t mx = hmax2w<T, true>(rm[0], __shfl_xor_sync(0xFFFFFFFFu, rm[0], 1));
+    mx = hmax2w<T, true>(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
+    const float b = lo_f32<T>(hmax2_rows<T, true>(mx, mx));
+    __syncthreads();
+    // One global amax: the tables of both orientations are equal; take a filled one.
+    const int o = a.q_row != nullptr ? 0 : 1;
+    uint32_t e = fp8<true>(__fmul_rn(b, __fmul_rn(sh.se[o], 0.16666667163372040f)));
+    const float2 t = sh.tab[o][e];
+    uint32_t w[8];  // the lane's codes, row i in w[i]
+    if (__all_sync(0xFFFFFFFFu, b <= t.y)) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            float v[8];
+            row_values<T>(d.w[i], v);
+            w[i] = e2m1x8_magnitudes(v, t.x) | row_signs(d.w[i]);
+        }
+    } else {
+        uint32_t nm = habs2w<T>(d.w[0][0]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int p = 0; p < 4; ++p) nm = hmax2w<T>(nm, habs2w<T>(d.w[i][p]));
+        float lo, hi;
+        hmax2_lanes<T, 1, 8>(nm, lo, hi);
+        const float s_enc = sh.se[o];
+        e = block_scale(fmaxf(lo, hi), s_enc);
+        const float ge = block_encode_scale((uint8_t)e, __frcp_rn(s_enc));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            float v[8];
+            row_values<T>(d.w[i], v);
+            w[i] = e2m1x8(v, ge);
+        }
+    }
+    // The block's byte for its 16 rows and 16 columns: this lane's 4 of each (the lane
+    // pair xor 1 shares rows, xor 8 columns).
+    const int hr = l.cg & 1, hc = l.g & 1;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        sh.stage.row[rt + 4 * hr + j][ct / 16] = (uint8_t)e;
+        sh.stage.col[ct + 4 * hc + j][rt / 16] = (uint8_t)e;
+    }
+    if (valid) {
+        if (a.q_row != nullptr) {
+            uint8_t* q = a.q_row + r0 * (a.k / 2) + col / 2;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) *reinterpret_cast<uint32_t*>(q + i * (a.k / 2)) = w[i];
+        }
+        if (a.q_col != nullptr) {
+            uint32_t c[8];
+            transpose_nibbles8(w, c);
+            uint8_t* q = a.q_col + col * (a.m / 2) + r0 / 2;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) *reinterpret_cast<uint32_t*>(q + j * (a.m / 2)) = c[j];
+        }
+    }
+    __syncthreads();
+    flush_both_scales(sh.stage, a, R0, C0);
+}
+
 // ---- 1-D blocks with the RHT and/or stochastic rounding (2-byte inputs) ------------------
 //
 // The recipes of gradients (RHT on the columnwise operand, stochastic rounding) and of
@@ -858,8 +974,9 @@ __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLan
 }
 
 // The both kernel: round to nearest without the RHT (Rht = Sr = false; f32 inputs too),
-// or, for 2-byte inputs, both_tile_rs's recipes. Parts: both_tile's.
-template <class T, bool Rht = false, bool Sr = false, class Parts = BothParts>
+// or, for 2-byte inputs, both_tile_rs's recipes, or 2-D blocks (TwoD, round to nearest
+// without the RHT). Parts: both_tile's.
+template <class T, bool Rht = false, bool Sr = false, class Parts = BothParts, bool TwoD = false>
 __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
     copy_amax(a);
     const BothLane l;
@@ -898,7 +1015,8 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
     } else {
         __shared__ BothShared sh;
         both_tables(sh, a);
-        if constexpr (Rht || Sr) both_tile_rs<T, Rht, Sr>(d, l, R0, C0, valid, a, sh);
+        if constexpr (TwoD) both_tile_2d<T>(d, l, R0, C0, valid, a, sh);
+        else if constexpr (Rht || Sr) both_tile_rs<T, Rht, Sr>(d, l, R0, C0, valid, a, sh);
         else both_tile<T, Parts>(d, l, R0, C0, valid, a, sh);
     }
 }
@@ -1076,6 +1194,16 @@ NVFP4(f16, __half)
     NVFP4_RS(SUFFIX, T, rht_sr, true, true, NVFP4_RS_MINB)
 NVFP4_RS_ALL(bf16, __nv_bfloat16)
 NVFP4_RS_ALL(f16, __half)
+
+// 2-D blocks of 2-byte inputs, round to nearest without the RHT (both_tile_2d; either
+// orientation may be null).
+#define NVFP4_2D(SUFFIX, T)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) tessera_nvfp4_both_2d_##SUFFIX( \
+        const T* __restrict__ x, const Nvfp4Args a) {                                            \
+        nvfp4_both_impl<T, false, false, BothParts, true>(x, a);                                 \
+    }
+NVFP4_2D(bf16, __nv_bfloat16)
+NVFP4_2D(f16, __half)
 
 // ---- dequantize -------------------------------------------------------------------------
 

@@ -1144,11 +1144,13 @@ fn dequantizers_match_the_cpu_on_large_ragged_tiles() {
         );
     }
     let x = input(&[8640, 8224], DType::BF16, 73);
-    check_quantizer(
-        &mut Nvfp4Quantizer::new().with_usage(Usage::Both),
-        &x,
-        "nvfp4 [8640, 8224]",
-    );
+    for two_d in [false, true] {
+        check_quantizer(
+            &mut Nvfp4Quantizer::new().with_2d(two_d).with_usage(Usage::Both),
+            &x,
+            &format!("nvfp4 [8640, 8224] 2d={two_d}"),
+        );
+    }
     let x = input(&[2064, 4112], DType::BF16, 74);
     check_quantizer(
         &mut Fp8CurrentScaling::new(Fp8Format::E5M2).with_usage(Usage::Both),
@@ -1163,8 +1165,8 @@ fn dequantizers_match_the_cpu_on_large_ragged_tiles() {
 }
 
 /// Finite values of moderate range, with runs of zeros and negative zeros: every NVFP4
-/// block gets a normal E4M3 scale, the input the both-orientations kernel's fast path
-/// takes. With `odd`, a NaN, an infinity and a 16-run 2^-40 smaller than the rest land in
+/// block (1-D or 2-D) gets a normal E4M3 scale, the input the both-orientations kernels'
+/// fast paths take. With `odd`, a NaN, an infinity and a 16-run 2^-40 smaller than the rest land in
 /// three warp tiles, which take the general path within the same launch.
 fn tame_input(shape: &[usize], dtype: DType, seed: u64, odd: bool) -> Tensor {
     let n: usize = shape.iter().product();
@@ -1203,21 +1205,35 @@ fn nvfp4_fast_path_matches_the_cpu() {
         &[2112, 528],
     ];
     let mut seed = 2600;
+    // 1-D blocks (the both kernel; rowwise alone has its own kernel) and 2-D blocks (their
+    // kernel serves every usage).
+    let cases = [
+        (false, Usage::Columnwise),
+        (false, Usage::Both),
+        (true, Usage::Rowwise),
+        (true, Usage::Columnwise),
+        (true, Usage::Both),
+    ];
     for &shape in shapes {
         for dtype in [DType::BF16, DType::F16] {
             for odd in [false, true] {
                 for swizzled in [false, true] {
-                    for usage in [Usage::Columnwise, Usage::Both] {
+                    for (two_d, usage) in cases {
                         seed += 1;
                         let x = tame_input(shape, dtype, seed, odd);
                         let mut q = Nvfp4Quantizer::new()
+                            .with_2d(two_d)
                             .with_swizzled_scales(swizzled)
                             .with_usage(usage);
                         if !odd {
                             // The input is what the fast path needs: no scale byte is an
                             // E4M3 subnormal (1 ..= 7) or NaN (0x7F).
                             let cpu = q.clone().quantize(&x).unwrap();
-                            let s = cpu.buffer(BufferName::ColumnwiseScaleInv).unwrap();
+                            let name = match usage {
+                                Usage::Rowwise => BufferName::ScaleInv,
+                                _ => BufferName::ColumnwiseScaleInv,
+                            };
+                            let s = cpu.buffer(name).unwrap();
                             let bytes = s.to_bytes().unwrap();
                             assert!(
                                 bytes.iter().all(|&b| b == 0 || (8..0x7F).contains(&b)),
@@ -1225,8 +1241,8 @@ fn nvfp4_fast_path_matches_the_cpu() {
                             );
                         }
                         let what = format!(
-                            "nvfp4 fast path {shape:?} {dtype} odd={odd} swizzled={swizzled} \
-                             {usage:?}"
+                            "nvfp4 fast path {shape:?} {dtype} 2d={two_d} odd={odd} \
+                             swizzled={swizzled} {usage:?}"
                         );
                         check_quantizer(&mut q, &x, &what);
                     }

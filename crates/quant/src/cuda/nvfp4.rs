@@ -223,8 +223,9 @@ pub(crate) fn quantize_into(
     let sfx = dtype_suffix(OP, x.dtype())?;
     // The kernel: 1-D round to nearest without the RHT has its own entry points (rowwise
     // only, or both orientations), and so have 1-D blocks of 2-byte inputs with the RHT
-    // and/or stochastic rounding; 2-D tiles and f32 inputs with either option take the
-    // general kernel.
+    // and/or stochastic rounding, and 2-D blocks of 2-byte inputs rounded to nearest
+    // without the RHT (TE's recipe for weights; any usage); f32 inputs with any option
+    // and 2-D blocks with either option take the general kernel.
     let plain = !two_d && !rht && !sr;
     let row_only = plain && !usage.columnwise();
     let col_tiles = k.div_ceil(256 * ROW_BLOCKS);
@@ -250,6 +251,11 @@ pub(crate) fn quantize_into(
     } else if plain {
         (
             format!("tessera_nvfp4_both_{sfx}"),
+            banded_grid(OP, m, k, 128)?,
+        )
+    } else if two_d && !rht && !sr && x.dtype().size_in_bytes() == 2 {
+        (
+            format!("tessera_nvfp4_both_2d_{sfx}"),
             banded_grid(OP, m, k, 128)?,
         )
     } else if !two_d && x.dtype().size_in_bytes() == 2 {
