@@ -1,0 +1,142 @@
+// Where the NVFP4 2-D both kernel's time goes (not shipped). On an H100 the 2-D kernel
+// (64 encodes a lane) took longer than the 1-D both kernel (128), as the 1-D kernel with
+// its encoders removed did (BENCHMARKS, 2026-12-05): with little compute between a
+// tile's loads and its stores, all 16 stores of a lane leave in one burst. The variants
+// order the stores differently (same bytes: their hashes must equal the shipped 2-D
+// kernel's), drop the scale flush, or drop one orientation's data; the 1-D kernels
+// run alongside for reference. bf16 normal inputs (the fast path everywhere).
+// Build on the GPU machine:
+//   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
+//        bench/cuda/nvfp4_2d.cu -o n2 && ./n2
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "fp8.cu"
+#include "sm90.cuh"
+#include "harness.cuh"
+#include "nvfp4.cu"
+#include "nvfp4_buffers.cuh"
+
+// Store orders: 0 the shipped one (rows, then the transposed columns), 1 each row word
+// stored as soon as it is encoded, 2 columns first, 3 columns and rows interleaved, 4 no
+// scale flush (the shipped order; scale grids differ on purpose).
+template <int Order>
+__device__ __forceinline__ void tile2d(const BothTile<__nv_bfloat16>& d, const BothLane& l, u64 R0, u64 C0,
+                                       bool valid, const Nvfp4Args& a, BothShared& sh) {
+    using T = __nv_bfloat16;
+    const int rt = l.rt, ct = l.ct;
+    const u64 r0 = R0 + rt, col = C0 + ct;
+    uint32_t rm[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        rm[i] = hmax2w<T, true>(hmax2w<T, true>(habs2w<T>(d.w[i][0]), habs2w<T>(d.w[i][1])),
+                                hmax2w<T, true>(habs2w<T>(d.w[i][2]), habs2w<T>(d.w[i][3])));
+#pragma unroll
+    for (int s = 4; s > 0; s /= 2)
+#pragma unroll
+        for (int i = 0; i < s; ++i) rm[i] = hmax2w<T, true>(rm[i], rm[i + s]);
+    uint32_t mx = hmax2w<T, true>(rm[0], __shfl_xor_sync(0xFFFFFFFFu, rm[0], 1));
+    mx = hmax2w<T, true>(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
+    const float b = lo_f32<T>(hmax2_rows<T, true>(mx, mx));
+    __syncthreads();
+    const uint32_t e = fp8<true>(__fmul_rn(b, __fmul_rn(sh.se[0], 0.16666667163372040f)));
+    const float2 t = sh.tab[0][e];
+    uint8_t* qr = a.q_row + r0 * (a.k / 2) + col / 2;
+    uint8_t* qc = a.q_col + col * (a.m / 2) + r0 / 2;
+    uint32_t w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        float v[8];
+        row_values<T>(d.w[i], v);
+        w[i] = e2m1x8_magnitudes(v, t.x) | row_signs(d.w[i]);
+        if (Order == 1 && valid) *reinterpret_cast<uint32_t*>(qr + i * (a.k / 2)) = w[i];
+    }
+    const int hr = l.cg & 1, hc = l.g & 1;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        sh.stage.row[rt + 4 * hr + j][ct / 16] = (uint8_t)e;
+        sh.stage.col[ct + 4 * hc + j][rt / 16] = (uint8_t)e;
+    }
+    if (valid) {
+        uint32_t c[8];
+        transpose_nibbles8(w, c);
+        auto rows = [&] {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) *reinterpret_cast<uint32_t*>(qr + i * (a.k / 2)) = w[i];
+        };
+        auto cols = [&] {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) *reinterpret_cast<uint32_t*>(qc + j * (a.m / 2)) = c[j];
+        };
+        if (Order == 0 || Order == 4) {
+            rows();
+            cols();
+        } else if (Order == 1) {
+            cols();
+        } else if (Order == 2) {
+            cols();
+            rows();
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                *reinterpret_cast<uint32_t*>(qc + j * (a.m / 2)) = c[j];
+                *reinterpret_cast<uint32_t*>(qr + j * (a.k / 2)) = w[j];
+            }
+        }
+    }
+    __syncthreads();
+    if (Order != 4) flush_both_scales(sh.stage, a, R0, C0);
+}
+
+// nvfp4_both_impl's prologue with tile2d.
+template <int Order>
+__global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) var2d(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
+    const BothLane l;
+    const TileRC tile = tile_banded((uint32_t)((a.m + 127) / 128));
+    const u64 R0 = (u64)tile.row * 128, C0 = (u64)tile.col * 128;
+    if (R0 >= a.m) return;
+    const u64 r0 = R0 + l.rt, col = C0 + l.ct;
+    const bool valid = r0 < a.m && col < a.k;
+    BothTile<__nv_bfloat16> d;
+    const uint4* src = reinterpret_cast<const uint4*>(x + r0 * a.k + col);
+    const u64 row_vectors = a.k * 2 / 16;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) d.u[i][0] = valid ? src[i * row_vectors] : make_uint4(0u, 0u, 0u, 0u);
+    pdl_wait();
+    __shared__ BothShared sh;
+    both_tables(sh, a);
+    tile2d<Order>(d, l, R0, C0, valid, a, sh);
+}
+
+static void run_shape(u64 M, u64 K) {
+    const Nvfp4Buffers b(M, K, true);
+    const u64 n = b.n;
+    const double bytes = 2.0 * n + 2 * (n / 2.0 + n / 16.0);
+    const dim3 grid = b.both_grid();
+    auto run = [&](auto kernel, const char* label, bool both = true) {
+        Nvfp4Args a = b.args(b.amax, both);
+        b.clear();
+        const float t = time_ms([&] { kernel<<<grid, 256>>>(b.x, a); });
+        report_hashes(label, t, bytes, b.copy_gbs, {{b.q, n / 2}, {b.qt, n / 2}, {b.sr, n / 16}, {b.sc, n / 16}});
+    };
+    for (int pass = 0; pass < 2; ++pass) {
+        run(tessera_nvfp4_both_2d_bf16, "2-D shipped");
+        run(var2d<0>, "2-D harness copy, shipped order");
+        run(var2d<1>, "2-D rows stored as encoded");
+        run(var2d<2>, "2-D columns first");
+        run(var2d<3>, "2-D columns and rows interleaved");
+        run(var2d<4>, "2-D no scale flush");
+        run(tessera_nvfp4_both_2d_bf16, "2-D rowwise only", false);
+        run(tessera_nvfp4_both_bf16, "1-D both shipped");
+        run(tessera_nvfp4_both_bf16, "1-D rowwise only (both kernel)", false);
+    }
+}
+
+int main() {
+    print_device();
+    run_shape(16384, 8192);
+    run_shape(4096, 4096);
+    return 0;
+}
