@@ -28,18 +28,7 @@ __device__ __forceinline__ void tile2d(const BothTile<__nv_bfloat16>& d, const B
     using T = __nv_bfloat16;
     const int rt = l.rt, ct = l.ct;
     const u64 r0 = R0 + rt, col = C0 + ct;
-    uint32_t rm[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-        rm[i] = hmax2w<T, true>(hmax2w<T, true>(habs2w<T>(d.w[i][0]), habs2w<T>(d.w[i][1])),
-                                hmax2w<T, true>(habs2w<T>(d.w[i][2]), habs2w<T>(d.w[i][3])));
-#pragma unroll
-    for (int s = 4; s > 0; s /= 2)
-#pragma unroll
-        for (int i = 0; i < s; ++i) rm[i] = hmax2w<T, true>(rm[i], rm[i + s]);
-    uint32_t mx = hmax2w<T, true>(rm[0], __shfl_xor_sync(0xFFFFFFFFu, rm[0], 1));
-    mx = hmax2w<T, true>(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
-    const float b = lo_f32<T>(hmax2_rows<T, true>(mx, mx));
+    const float b = block_amax_2d<T>(d);
     __syncthreads();
     const uint32_t e = fp8<true>(__fmul_rn(b, __fmul_rn(sh.se[0], 0.16666667163372040f)));
     const float2 t = sh.tab[0][e];

@@ -703,19 +703,10 @@ __device__ __forceinline__ void transpose_nibbles8(const uint32_t* w, uint32_t* 
         }
 }
 
-// Quantizes the 128x128 tile at (R0, C0) of 2-byte inputs in 16x16 blocks, the lane's
-// values in d (zeros when !valid), with the tables filled; synchronises the CTA twice
-// (before it reads the tables, and before the flush). A warp whose blocks all pass
-// `b <= lim[e]` (both_tile's fast path) encodes without saturation or NaN handling and
-// takes the signs from the raw bits; any other warp as nvfp4_impl does (NaN-ignoring
-// block amax, saturating encoder). Both give the same bytes.
-template <class T>
-__device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
-                                             const Nvfp4Args& a, BothShared& sh) {
-    const int rt = l.rt, ct = l.ct;
-    const u64 r0 = R0 + rt, col = C0 + ct;
-    // The block's |.| max, NaN-propagating: the lane's 64 values as packed pairs (a row's
-    // 4 words, then a tree over the rows), then over the block's 4 lanes, then the halves.
+// The |.| max of the lane's 16x16 block, NaN-propagating: the lane's 64 values as packed
+// pairs (a row's 4 words, then a tree over the rows), then over the block's 4 lanes (xor
+// 1, xor 8), then the two halves. Every lane of the warp must call it.
+template <class T> __device__ __forceinline__ float block_amax_2d(const BothTile<T>& d) {
     uint32_t rm[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i)
@@ -727,7 +718,21 @@ __device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLan
         for (int i = 0; i < s; ++i) rm[i] = hmax2w<T, true>(rm[i], rm[i + s]);
     uint32_t mx = hmax2w<T, true>(rm[0], __shfl_xor_sync(0xFFFFFFFFu, rm[0], 1));
     mx = hmax2w<T, true>(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
-    const float b = lo_f32<T>(hmax2_rows<T, true>(mx, mx));
+    return lo_f32<T>(hmax2_rows<T, true>(mx, mx));
+}
+
+// Quantizes the 128x128 tile at (R0, C0) of 2-byte inputs in 16x16 blocks, the lane's
+// values in d (zeros when !valid), with the tables filled; synchronises the CTA twice
+// (before it reads the tables, and before the flush). A warp whose blocks all pass
+// `b <= lim[e]` (both_tile's fast path) encodes without saturation or NaN handling and
+// takes the signs from the raw bits; any other warp as nvfp4_impl does (NaN-ignoring
+// block amax, saturating encoder). Both give the same bytes.
+template <class T>
+__device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
+                                             const Nvfp4Args& a, BothShared& sh) {
+    const int rt = l.rt, ct = l.ct;
+    const u64 r0 = R0 + rt, col = C0 + ct;
+    const float b = block_amax_2d<T>(d);
     __syncthreads();
     // One global amax: the tables of both orientations are equal; take a filled one.
     const int o = a.q_row != nullptr ? 0 : 1;
