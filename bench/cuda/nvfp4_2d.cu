@@ -21,13 +21,13 @@
 
 // Store orders: 0 the shipped one (rows, then the transposed columns), 1 each row word
 // stored as soon as it is encoded, 2 columns first, 3 columns and rows interleaved, 4 no
-// scale flush (the shipped order; scale grids differ on purpose).
+// scale flush (the shipped order; scale grids differ on purpose). The fast path only
+// (the inputs take it everywhere).
 template <int Order>
 __device__ __forceinline__ void tile2d(const BothTile<__nv_bfloat16>& d, const BothLane& l, u64 R0, u64 C0,
                                        bool valid, const Nvfp4Args& a, BothShared& sh) {
     using T = __nv_bfloat16;
-    const int rt = l.rt, ct = l.ct;
-    const u64 r0 = R0 + rt, col = C0 + ct;
+    const u64 r0 = R0 + l.rt, col = C0 + l.ct;
     const float b = block_amax_2d<T>(d);
     __syncthreads();
     const uint32_t e = fp8<true>(__fmul_rn(b, __fmul_rn(sh.se[0], 0.16666667163372040f)));
@@ -42,31 +42,18 @@ __device__ __forceinline__ void tile2d(const BothTile<__nv_bfloat16>& d, const B
         w[i] = e2m1x8_magnitudes(v, t.x) | row_signs(d.w[i]);
         if (Order == 1 && valid) *reinterpret_cast<uint32_t*>(qr + i * (a.k / 2)) = w[i];
     }
-    const int hr = l.cg & 1, hc = l.g & 1;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        sh.stage.row[rt + 4 * hr + j][ct / 16] = (uint8_t)e;
-        sh.stage.col[ct + 4 * hc + j][rt / 16] = (uint8_t)e;
-    }
+    stage_block_2d(sh.stage, l, (uint8_t)e);
     if (valid) {
         uint32_t c[8];
         transpose_nibbles8(w, c);
-        auto rows = [&] {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) *reinterpret_cast<uint32_t*>(qr + i * (a.k / 2)) = w[i];
-        };
-        auto cols = [&] {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) *reinterpret_cast<uint32_t*>(qc + j * (a.m / 2)) = c[j];
-        };
         if (Order == 0 || Order == 4) {
-            rows();
-            cols();
+            store_rows_2d(a, r0, col, w);
+            store_cols_2d(a, r0, col, c);
         } else if (Order == 1) {
-            cols();
+            store_cols_2d(a, r0, col, c);
         } else if (Order == 2) {
-            cols();
-            rows();
+            store_cols_2d(a, r0, col, c);
+            store_rows_2d(a, r0, col, w);
         } else {
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -79,24 +66,18 @@ __device__ __forceinline__ void tile2d(const BothTile<__nv_bfloat16>& d, const B
     if (Order != 4) flush_both_scales(sh.stage, a, R0, C0);
 }
 
-// nvfp4_both_impl's prologue with tile2d.
+// The library's both kernel with tile2d<Order> in place of both_tile_2d.
+template <int Order> struct OrderTiles {
+    static constexpr bool two_d = true;
+    template <class T>
+    static __device__ __forceinline__ void tile(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
+                                                const Nvfp4Args& a, BothShared& sh) {
+        tile2d<Order>(d, l, R0, C0, valid, a, sh);
+    }
+};
 template <int Order>
 __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) var2d(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
-    const BothLane l;
-    const TileRC tile = tile_banded((uint32_t)((a.m + 127) / 128));
-    const u64 R0 = (u64)tile.row * 128, C0 = (u64)tile.col * 128;
-    if (R0 >= a.m) return;
-    const u64 r0 = R0 + l.rt, col = C0 + l.ct;
-    const bool valid = r0 < a.m && col < a.k;
-    BothTile<__nv_bfloat16> d;
-    const uint4* src = reinterpret_cast<const uint4*>(x + r0 * a.k + col);
-    const u64 row_vectors = a.k * 2 / 16;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) d.u[i][0] = valid ? src[i * row_vectors] : make_uint4(0u, 0u, 0u, 0u);
-    pdl_wait();
-    __shared__ BothShared sh;
-    both_tables(sh, a);
-    tile2d<Order>(d, l, R0, C0, valid, a, sh);
+    nvfp4_both_impl<__nv_bfloat16, false, false, BothParts, OrderTiles<Order>>(x, a);
 }
 
 static void run_shape(u64 M, u64 K) {

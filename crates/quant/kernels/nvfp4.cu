@@ -721,6 +721,31 @@ template <class T> __device__ __forceinline__ float block_amax_2d(const BothTile
     return lo_f32<T>(hmax2_rows<T, true>(mx, mx));
 }
 
+// The scale byte e of the lane's 16x16 block for its 16 rows and 16 columns: this lane's
+// 4 of each (the lane pair xor 1 shares rows, xor 8 columns).
+__device__ __forceinline__ void stage_block_2d(BothScales& stage, const BothLane& l, uint8_t e) {
+    const int hr = l.cg & 1, hc = l.g & 1;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        stage.row[l.rt + 4 * hr + j][l.ct / 16] = e;
+        stage.col[l.ct + 4 * hc + j][l.rt / 16] = e;
+    }
+}
+
+// The lane's codes of rows r0 .. r0 + 7 (w[i]: row i, 8 columns from col) into the
+// rowwise data, and of columns col .. col + 7 (c[j]: column j, 8 rows from r0) into the
+// columnwise data.
+__device__ __forceinline__ void store_rows_2d(const Nvfp4Args& a, u64 r0, u64 col, const uint32_t* w) {
+    uint8_t* q = a.q_row + r0 * (a.k / 2) + col / 2;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) *reinterpret_cast<uint32_t*>(q + i * (a.k / 2)) = w[i];
+}
+__device__ __forceinline__ void store_cols_2d(const Nvfp4Args& a, u64 r0, u64 col, const uint32_t* c) {
+    uint8_t* q = a.q_col + col * (a.m / 2) + r0 / 2;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) *reinterpret_cast<uint32_t*>(q + j * (a.m / 2)) = c[j];
+}
+
 // Quantizes the 128x128 tile at (R0, C0) of 2-byte inputs in 16x16 blocks, the lane's
 // values in d (zeros when !valid), with the tables filled; synchronises the CTA twice
 // (before it reads the tables, and before the flush). A warp whose blocks all pass
@@ -730,8 +755,7 @@ template <class T> __device__ __forceinline__ float block_amax_2d(const BothTile
 template <class T>
 __device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
                                              const Nvfp4Args& a, BothShared& sh) {
-    const int rt = l.rt, ct = l.ct;
-    const u64 r0 = R0 + rt, col = C0 + ct;
+    const u64 r0 = R0 + l.rt, col = C0 + l.ct;
     const float b = block_amax_2d<T>(d);
     __syncthreads();
     // One global amax: the tables of both orientations are equal; take a filled one.
@@ -764,31 +788,32 @@ __device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLan
             w[i] = e2m1x8(v, ge);
         }
     }
-    // The block's byte for its 16 rows and 16 columns: this lane's 4 of each (the lane
-    // pair xor 1 shares rows, xor 8 columns).
-    const int hr = l.cg & 1, hc = l.g & 1;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        sh.stage.row[rt + 4 * hr + j][ct / 16] = (uint8_t)e;
-        sh.stage.col[ct + 4 * hc + j][rt / 16] = (uint8_t)e;
-    }
+    stage_block_2d(sh.stage, l, (uint8_t)e);
     if (valid) {
-        if (a.q_row != nullptr) {
-            uint8_t* q = a.q_row + r0 * (a.k / 2) + col / 2;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) *reinterpret_cast<uint32_t*>(q + i * (a.k / 2)) = w[i];
-        }
+        if (a.q_row != nullptr) store_rows_2d(a, r0, col, w);
         if (a.q_col != nullptr) {
             uint32_t c[8];
             transpose_nibbles8(w, c);
-            uint8_t* q = a.q_col + col * (a.m / 2) + r0 / 2;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) *reinterpret_cast<uint32_t*>(q + j * (a.m / 2)) = c[j];
+            store_cols_2d(a, r0, col, c);
         }
     }
     __syncthreads();
     flush_both_scales(sh.stage, a, R0, C0);
 }
+
+// The both kernel's tile policy: 1-D blocks (both_tile or both_tile_rs), or 2-D ones
+// (both_tile_2d; bench/cuda/nvfp4_2d.cu puts its variants in its place).
+struct OneDTiles {
+    static constexpr bool two_d = false;
+};
+struct TwoDTiles {
+    static constexpr bool two_d = true;
+    template <class T>
+    static __device__ __forceinline__ void tile(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
+                                                const Nvfp4Args& a, BothShared& sh) {
+        both_tile_2d<T>(d, l, R0, C0, valid, a, sh);
+    }
+};
 
 // ---- 1-D blocks with the RHT and/or stochastic rounding (2-byte inputs) ------------------
 //
@@ -979,9 +1004,9 @@ __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLan
 }
 
 // The both kernel: round to nearest without the RHT (Rht = Sr = false; f32 inputs too),
-// or, for 2-byte inputs, both_tile_rs's recipes, or 2-D blocks (TwoD, round to nearest
-// without the RHT). Parts: both_tile's.
-template <class T, bool Rht = false, bool Sr = false, class Parts = BothParts, bool TwoD = false>
+// or, for 2-byte inputs, both_tile_rs's recipes, or 2-D blocks (Tiles = TwoDTiles, round
+// to nearest without the RHT). Parts: both_tile's.
+template <class T, bool Rht = false, bool Sr = false, class Parts = BothParts, class Tiles = OneDTiles>
 __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
     copy_amax(a);
     const BothLane l;
@@ -1020,7 +1045,7 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
     } else {
         __shared__ BothShared sh;
         both_tables(sh, a);
-        if constexpr (TwoD) both_tile_2d<T>(d, l, R0, C0, valid, a, sh);
+        if constexpr (Tiles::two_d) Tiles::template tile<T>(d, l, R0, C0, valid, a, sh);
         else if constexpr (Rht || Sr) both_tile_rs<T, Rht, Sr>(d, l, R0, C0, valid, a, sh);
         else both_tile<T, Parts>(d, l, R0, C0, valid, a, sh);
     }
@@ -1205,7 +1230,7 @@ NVFP4_RS_ALL(f16, __half)
 #define NVFP4_2D(SUFFIX, T)                                                                     \
     extern "C" __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) tessera_nvfp4_both_2d_##SUFFIX( \
         const T* __restrict__ x, const Nvfp4Args a) {                                            \
-        nvfp4_both_impl<T, false, false, BothParts, true>(x, a);                                 \
+        nvfp4_both_impl<T, false, false, BothParts, TwoDTiles>(x, a);                            \
     }
 NVFP4_2D(bf16, __nv_bfloat16)
 NVFP4_2D(f16, __half)

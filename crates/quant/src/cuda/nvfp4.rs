@@ -228,6 +228,16 @@ pub(crate) fn quantize_into(
     // and 2-D blocks with either option take the general kernel.
     let plain = !two_d && !rht && !sr;
     let row_only = plain && !usage.columnwise();
+    // The 128x128 tile kernels, by their infix after `tessera_nvfp4_both_`.
+    let two_byte = x.dtype().size_in_bytes() == 2;
+    let tile_kernel = match (two_d, rht, sr) {
+        (false, false, false) => Some(""),
+        (true, false, false) if two_byte => Some("2d_"),
+        (false, true, true) if two_byte => Some("rht_sr_"),
+        (false, true, false) if two_byte => Some("rht_"),
+        (false, false, true) if two_byte => Some("sr_"),
+        _ => None,
+    };
     let col_tiles = k.div_ceil(256 * ROW_BLOCKS);
     let (name, cfg) = if row_only {
         let blocks = (m / 16) * col_tiles;
@@ -248,24 +258,9 @@ pub(crate) fn quantize_into(
             shared_mem_bytes: 0,
         };
         (format!("tessera_nvfp4_row_{sfx}"), cfg)
-    } else if plain {
+    } else if let Some(infix) = tile_kernel {
         (
-            format!("tessera_nvfp4_both_{sfx}"),
-            banded_grid(OP, m, k, 128)?,
-        )
-    } else if two_d && !rht && !sr && x.dtype().size_in_bytes() == 2 {
-        (
-            format!("tessera_nvfp4_both_2d_{sfx}"),
-            banded_grid(OP, m, k, 128)?,
-        )
-    } else if !two_d && x.dtype().size_in_bytes() == 2 {
-        let recipe = match (rht, sr) {
-            (true, true) => "rht_sr",
-            (true, false) => "rht",
-            _ => "sr",
-        };
-        (
-            format!("tessera_nvfp4_both_{recipe}_{sfx}"),
+            format!("tessera_nvfp4_both_{infix}{sfx}"),
             banded_grid(OP, m, k, 128)?,
         )
     } else {
