@@ -3,8 +3,10 @@
 // its encoders removed did (BENCHMARKS, 2026-12-05): with little compute between a
 // tile's loads and its stores, all 16 stores of a lane leave in one burst. The variants
 // order the stores differently (same bytes: their hashes must equal the shipped 2-D
-// kernel's), drop the scale flush, or drop one orientation's data; the 1-D kernels
-// run alongside for reference. bf16 normal inputs (the fast path everywhere).
+// kernel's), drop the scale flush, or drop one orientation's data; the library's two
+// steps for compact scales (block grid, then tessera_nvfp4_scales_2d) must hash as its
+// one step does; the 1-D kernels run alongside for reference. bf16 normal inputs (the
+// fast path everywhere).
 // Build on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
 //        bench/cuda/nvfp4_2d.cu -o n2 && ./n2
@@ -66,6 +68,12 @@ __device__ __forceinline__ void tile2d(const BothTile<__nv_bfloat16>& d, const B
     if (Order != 4) flush_both_scales(sh.stage, a, R0, C0);
 }
 
+// The library's 2-D kernel with one-step scales (its blk null).
+__global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) one_step_2d(const __nv_bfloat16* __restrict__ x,
+                                                                   const Nvfp4Args a) {
+    nvfp4_both_impl<__nv_bfloat16, false, false, BothParts, TwoDTiles>(x, a, TwoDTiles{nullptr});
+}
+
 // The library's both kernel with tile2d<Order> in place of both_tile_2d.
 template <int Order> struct OrderTiles {
     static constexpr bool two_d = true;
@@ -91,17 +99,35 @@ static void run_shape(u64 M, u64 K) {
         const float t = time_ms([&] { kernel<<<grid, 256>>>(b.x, a); });
         report_hashes(label, t, bytes, b.copy_gbs, {{b.q, n / 2}, {b.qt, n / 2}, {b.sr, n / 16}, {b.sc, n / 16}});
     };
+    uint8_t* blk;
+    CK(cudaMalloc(&blk, n / 256));
+    const unsigned g2 = (unsigned)(((M / 16 + 31) / 32) * ((K / 16 + 31) / 32));
+    auto scales = [&] { tessera_nvfp4_scales_2d<<<g2, 256>>>(blk, M, K, b.sr, b.sr_cols, b.sc, b.sc_cols, 0); };
+    auto run_two_step = [&] {
+        const Nvfp4Args a = b.args(b.amax, true);
+        b.clear();
+        const float t = time_ms([&] {
+            tessera_nvfp4_both_2d_bf16<<<grid, 256>>>(b.x, a, blk);
+            scales();
+        });
+        report_hashes("2-D two steps (tile kernel + scales kernel)", t, bytes, b.copy_gbs,
+                      {{b.q, n / 2}, {b.qt, n / 2}, {b.sr, n / 16}, {b.sc, n / 16}});
+        const float t2 = time_ms(scales);
+        report_hashes("scales kernel alone", t2, 2.0 * (n / 16) + n / 256, b.copy_gbs, {{b.sr, n / 16}, {b.sc, n / 16}});
+    };
     for (int pass = 0; pass < 2; ++pass) {
-        run(tessera_nvfp4_both_2d_bf16, "2-D shipped");
+        run_two_step();
+        run(one_step_2d, "2-D one step");
         run(var2d<0>, "2-D harness copy, shipped order");
         run(var2d<1>, "2-D rows stored as encoded");
         run(var2d<2>, "2-D columns first");
         run(var2d<3>, "2-D columns and rows interleaved");
         run(var2d<4>, "2-D no scale flush");
-        run(tessera_nvfp4_both_2d_bf16, "2-D rowwise only", false);
+        run(one_step_2d, "2-D rowwise only", false);
         run(tessera_nvfp4_both_bf16, "1-D both shipped");
         run(tessera_nvfp4_both_bf16, "1-D rowwise only (both kernel)", false);
     }
+    CK(cudaFree(blk));
 }
 
 int main() {

@@ -747,14 +747,15 @@ __device__ __forceinline__ void store_cols_2d(const Nvfp4Args& a, u64 r0, u64 co
 }
 
 // Quantizes the 128x128 tile at (R0, C0) of 2-byte inputs in 16x16 blocks, the lane's
-// values in d (zeros when !valid), with the tables filled; synchronises the CTA twice
-// (before it reads the tables, and before the flush). A warp whose blocks all pass
-// `b <= lim[e]` (both_tile's fast path) encodes without saturation or NaN handling and
-// takes the signs from the raw bits; any other warp as nvfp4_impl does (NaN-ignoring
-// block amax, saturating encoder). Both give the same bytes.
+// values in d (zeros when !valid), with the tables filled; synchronises the CTA before it
+// reads the tables, and before the flush of the staged scale bytes unless blk (the
+// [m/16, k/16] block grid, or null) takes them (two steps, see tessera_nvfp4_scales_2d).
+// A warp whose blocks all pass `b <= lim[e]` (both_tile's fast path) encodes without
+// saturation or NaN handling and takes the signs from the raw bits; any other warp as
+// nvfp4_impl does (NaN-ignoring block amax, saturating encoder). Both give the same bytes.
 template <class T>
 __device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
-                                             const Nvfp4Args& a, BothShared& sh) {
+                                             const Nvfp4Args& a, BothShared& sh, uint8_t* blk) {
     const u64 r0 = R0 + l.rt, col = C0 + l.ct;
     const float b = block_amax_2d<T>(d);
     __syncthreads();
@@ -788,7 +789,10 @@ __device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLan
             w[i] = e2m1x8(v, ge);
         }
     }
-    stage_block_2d(sh.stage, l, (uint8_t)e);
+    // Two steps: one lane of the block's 4 stores its byte into the block grid, from
+    // which tessera_nvfp4_scales_2d writes the scale grids after this kernel.
+    if (blk == nullptr) stage_block_2d(sh.stage, l, (uint8_t)e);
+    else if (valid && (l.cg & 1) == 0 && (l.g & 1) == 0) blk[(r0 / 16) * (a.k / 16) + col / 16] = (uint8_t)e;
     if (valid) {
         if (a.q_row != nullptr) store_rows_2d(a, r0, col, w);
         if (a.q_col != nullptr) {
@@ -797,23 +801,78 @@ __device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLan
             store_cols_2d(a, r0, col, c);
         }
     }
+    if (blk != nullptr) return;
     __syncthreads();
     flush_both_scales(sh.stage, a, R0, C0);
 }
 
 // The both kernel's tile policy: 1-D blocks (both_tile or both_tile_rs), or 2-D ones
-// (both_tile_2d; bench/cuda/nvfp4_2d.cu puts its variants in its place).
+// (both_tile_2d, with the block grid of two-step compact scales or null; the harness
+// bench/cuda/nvfp4_2d.cu puts its variants in its place).
 struct OneDTiles {
     static constexpr bool two_d = false;
 };
 struct TwoDTiles {
     static constexpr bool two_d = true;
+    uint8_t* blk;
     template <class T>
-    static __device__ __forceinline__ void tile(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
-                                                const Nvfp4Args& a, BothShared& sh) {
-        both_tile_2d<T>(d, l, R0, C0, valid, a, sh);
+    __device__ __forceinline__ void tile(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
+                                         const Nvfp4Args& a, BothShared& sh) const {
+        both_tile_2d<T>(d, l, R0, C0, valid, a, sh, blk);
     }
 };
+
+// The second step of 2-D blocks' compact scales: the scale grids from the block grid blk
+// ([m/16, k/16], one byte a 16x16 block). Both grids hold each block-grid row (rowwise)
+// or column (columnwise) 16 times over, so a CTA loads a 32x32 tile of blk into shared
+// memory once and writes the 512 grid rows of each orientation that come from it, 32
+// bytes (8 words, 4 blocks each) a row, a warp 4 whole rows a store; blocks past the
+// edge store 0, as the cleared padding holds. s_row or s_col null: that grid is not
+// written. The both kernel's CTA owns 8 bytes of 128 rows of each grid: stored from the
+// tile kernel they cost an H100 a quarter of its time (partial lines that are not in L2;
+// 0.227 against 0.168 ms without them at 16384x8192, bench/cuda/nvfp4_2d.cu). (A warp a
+// grid row, gathering its bytes from blk 16 times over, took 0.045 ms for 16.8 MB.)
+__device__ void nvfp4_scales_2d_impl(const uint8_t* __restrict__ blk, u64 m, u64 k, uint8_t* __restrict__ s_row,
+                                     u64 s_row_cols, uint8_t* __restrict__ s_col, u64 s_col_cols, int swizzled) {
+    __shared__ __align__(16) uint8_t t[32][32];
+    pdl_first();
+    const u64 bm = m / 16, bk = k / 16;  // the block grid
+    const uint32_t gx = (uint32_t)((bk + 31) / 32);
+    const u64 ib0 = (u64)(blockIdx.x / gx) * 32, jb0 = (u64)(blockIdx.x % gx) * 32;
+    const int tid = threadIdx.x;
+    {
+        const int i = tid / 8, j = 4 * (tid % 8);
+#pragma unroll
+        for (int b = 0; b < 4; ++b)
+            t[i][j + b] = ib0 + i < bm && jb0 + j + b < bk ? blk[(ib0 + i) * bk + jb0 + j + b] : 0;
+    }
+    __syncthreads();
+    // 16 words a thread per grid: word w (blocks 4w .. 4w + 3 of the tile) of grid row
+    // 16 u + v (u the tile's block row or column, v its copy).
+#pragma unroll 4
+    for (int n = tid; n < 32 * 16 * 8; n += 256) {
+        const int u = n / 128, v = (n / 8) % 16, w = n % 8;
+        if (s_row != nullptr && ib0 + u < bm && jb0 + 4 * w < bk) {
+            const uint32_t word = *reinterpret_cast<const uint32_t*>(&t[u][4 * w]);
+            *reinterpret_cast<uint32_t*>(s_row + scale_index(16 * (ib0 + u) + v, jb0 + 4 * w, s_row_cols, swizzled)) =
+                word;
+        }
+        if (s_col != nullptr && jb0 + u < bk && ib0 + 4 * w < bm) {
+            const uint32_t word = (uint32_t)t[4 * w][u] | (uint32_t)t[4 * w + 1][u] << 8 |
+                                  (uint32_t)t[4 * w + 2][u] << 16 | (uint32_t)t[4 * w + 3][u] << 24;
+            *reinterpret_cast<uint32_t*>(s_col + scale_index(16 * (jb0 + u) + v, ib0 + 4 * w, s_col_cols, swizzled)) =
+                word;
+        }
+    }
+}
+
+// A CTA per 32x32 tile of the block grid (ceil(m/512) x ceil(k/512) CTAs, block-grid
+// columns fastest).
+extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_scales_2d(const uint8_t* __restrict__ blk, u64 m, u64 k,
+                                                                         uint8_t* s_row, u64 s_row_cols, uint8_t* s_col,
+                                                                         u64 s_col_cols, int swizzled) {
+    nvfp4_scales_2d_impl(blk, m, k, s_row, s_row_cols, s_col, s_col_cols, swizzled);
+}
 
 // ---- 1-D blocks with the RHT and/or stochastic rounding (2-byte inputs) ------------------
 //
@@ -1007,7 +1066,7 @@ __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLan
 // or, for 2-byte inputs, both_tile_rs's recipes, or 2-D blocks (Tiles = TwoDTiles, round
 // to nearest without the RHT). Parts: both_tile's.
 template <class T, bool Rht = false, bool Sr = false, class Parts = BothParts, class Tiles = OneDTiles>
-__device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
+__device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a, const Tiles tiles = Tiles{}) {
     copy_amax(a);
     const BothLane l;
     const TileRC tile = tile_banded((uint32_t)((a.m + 127) / 128));
@@ -1045,7 +1104,7 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a) {
     } else {
         __shared__ BothShared sh;
         both_tables(sh, a);
-        if constexpr (Tiles::two_d) Tiles::template tile<T>(d, l, R0, C0, valid, a, sh);
+        if constexpr (Tiles::two_d) tiles.template tile<T>(d, l, R0, C0, valid, a, sh);
         else if constexpr (Rht || Sr) both_tile_rs<T, Rht, Sr>(d, l, R0, C0, valid, a, sh);
         else both_tile<T, Parts>(d, l, R0, C0, valid, a, sh);
     }
@@ -1226,11 +1285,14 @@ NVFP4_RS_ALL(bf16, __nv_bfloat16)
 NVFP4_RS_ALL(f16, __half)
 
 // 2-D blocks of 2-byte inputs, round to nearest without the RHT (both_tile_2d; either
-// orientation may be null).
+// orientation may be null; blk the block grid of two-step compact scales, or null).
+// blk is the kernel's own parameter so that Nvfp4Args, and with it the 1-D kernels'
+// PTX, stay as they are: an 8-byte longer Nvfp4Args changed ptxas's schedule of the 1-D
+// both kernel (its barrier 95 instructions earlier) and cost it 2% on an H100.
 #define NVFP4_2D(SUFFIX, T)                                                                     \
     extern "C" __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) tessera_nvfp4_both_2d_##SUFFIX( \
-        const T* __restrict__ x, const Nvfp4Args a) {                                            \
-        nvfp4_both_impl<T, false, false, BothParts, TwoDTiles>(x, a);                            \
+        const T* __restrict__ x, const Nvfp4Args a, uint8_t* blk) {                              \
+        nvfp4_both_impl<T, false, false, BothParts, TwoDTiles>(x, a, TwoDTiles{blk});            \
     }
 NVFP4_2D(bf16, __nv_bfloat16)
 NVFP4_2D(f16, __half)

@@ -227,9 +227,17 @@ pub(crate) fn quantize_into(
     // without the RHT (TE's recipe for weights; any usage); f32 inputs with any option
     // and 2-D blocks with either option take the general kernel.
     let plain = !two_d && !rht && !sr;
+    let two_byte = x.dtype().size_in_bytes() == 2;
+    let tiles_2d = two_d && !rht && !sr && two_byte;
+    // 2-D blocks' compact scale grids in two steps when the columnwise grid is written
+    // (kernels/nvfp4.cu, tessera_nvfp4_scales_2d): the tile kernel stores one byte a block
+    // into a block grid, a second kernel the grids' whole lines.
+    let blk = match tiles_2d && usage.columnwise() && !swizzled && m > 0 && k > 0 {
+        true => Some(Tensor::empty([(m / 16) * (k / 16)], DType::U8, x.device())?),
+        false => None,
+    };
     let row_only = plain && !usage.columnwise();
     // The 128x128 tile kernels, by their infix after `tessera_nvfp4_both_`.
-    let two_byte = x.dtype().size_in_bytes() == 2;
     let tile_kernel = match (two_d, rht, sr) {
         (false, false, false) => Some(""),
         (true, false, false) if two_byte => Some("2d_"),
@@ -325,6 +333,7 @@ pub(crate) fn quantize_into(
             off_col,
             amax_copy,
         };
+        let blk_addr = blk.as_ref().map_or(Ok(0), |t| device_addr(&dev, t))?;
         let xa = device_addr(&dev, x)?;
         let (mu, ku, tiles) = (m as u64, k as u64, col_tiles as u64);
         let mut params = Params::default();
@@ -337,6 +346,9 @@ pub(crate) fn quantize_into(
             params.arg(&args.swizzled).arg(&tiles);
         } else {
             params.arg(&xa).arg(&args);
+            if tiles_2d {
+                params.arg(&blk_addr);
+            }
         }
         // SAFETY: x is [m, k] with m, k multiples of 16 (checked by the quantizer); the
         // pointers address live buffers of `out` (data [m, k/2] and [k, m/2] bytes, the
@@ -345,11 +357,41 @@ pub(crate) fn quantize_into(
         // stream (the spare is freed in stream order after it); null pointers mark absent
         // usages. The row kernel takes (const T* x, u64 m, u64 k, const float* amax, u8* q,
         // u8* s, u64 s_cols, int swizzled, u64 col_tiles), its grid covering (m / 16) x
-        // col_tiles tiles exactly; the others (const T* x, Nvfp4Args a), their tiles
-        // (128x128 banded or 64x64) covering [m, k]. Every one reads nothing the amax pass
+        // col_tiles tiles exactly; the others (const T* x, Nvfp4Args a), and the 2-D one
+        // also (u8* blk), the [m/16, k/16] block grid or null, their tiles (128x128
+        // banded or 64x64) covering [m, k]. Every one reads nothing the amax pass
         // writes before pdl_wait(), and the amax pass ran last when there is no reduction.
-        unsafe { launch_params(&dev, &f, cfg, OP, order, &mut params) }
+        unsafe { launch_params(&dev, &f, cfg, OP, order, &mut params) }?;
+        if blk.is_some() {
+            let g = dev.function(&NVFP4_PTX, "tessera_nvfp4_scales_2d")?;
+            // A CTA per 32x32 tile of the block grid.
+            let tiles = (m / 16).div_ceil(32) * (k / 16).div_ceil(32);
+            let ctas = u32::try_from(tiles).map_err(|_| {
+                Error::shape(
+                    OP,
+                    format!("[{m}, {k}] needs more than {} scale-grid CTAs", u32::MAX),
+                )
+            })?;
+            let cfg = LaunchConfig {
+                grid_dim: (ctas, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut p = Params::default();
+            p.arg(&blk_addr).arg(&args.m).arg(&args.k);
+            p.arg(&args.s_row).arg(&args.s_row_cols);
+            p.arg(&args.s_col).arg(&args.s_col_cols).arg(&args.swizzled);
+            // SAFETY: (const u8* blk, u64 m, u64 k, u8* s_row, u64 s_row_cols, u8* s_col,
+            // u64 s_col_cols, int swizzled): blk the [m/16, k/16] block grid the kernel
+            // before filled, the scale grids as above (s_row null without rowwise data),
+            // a CTA for each 32x32 tile of the block grid; the kernel calls pdl_first()
+            // before any memory access.
+            unsafe { launch_params(&dev, &g, cfg, OP, Order::WaitFirst, &mut p) }?;
+        }
+        Ok(())
     });
+    // The block grid is freed in stream order, after the kernels that use it.
+    drop(blk);
     amaxes.put_back(out);
     launched?;
     out.source_dtype = x.dtype();
