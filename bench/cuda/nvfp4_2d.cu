@@ -101,19 +101,31 @@ static void run_shape(u64 M, u64 K) {
     };
     uint8_t* blk;
     CK(cudaMalloc(&blk, n / 256));
-    const unsigned g2 = (unsigned)(((M / 16 + 31) / 32) * ((K / 16 + 31) / 32));
-    auto scales = [&] { tessera_nvfp4_scales_2d<<<g2, 256>>>(blk, M, K, b.sr, b.sr_cols, b.sc, b.sc_cols, 0); };
+    // The scales kernel with `copies` grid rows of 16 a CTA; the library's choice: at
+    // least 2048 CTAs where the tiles allow.
+    const u64 tiles = ((M / 16 + 31) / 32) * ((K / 16 + 31) / 32);
+    int lib_copies = 16;
+    while (lib_copies > 1 && tiles * (16 / lib_copies) < 2048) lib_copies /= 2;
+    auto scales = [&](int copies) {
+        const unsigned g2 = (unsigned)(tiles * (16 / copies));
+        tessera_nvfp4_scales_2d<<<g2, 256>>>(blk, M, K, b.sr, b.sr_cols, b.sc, b.sc_cols, 0, copies);
+    };
     auto run_two_step = [&] {
         const Nvfp4Args a = b.args(b.amax, true);
         b.clear();
         const float t = time_ms([&] {
             tessera_nvfp4_both_2d_bf16<<<grid, 256>>>(b.x, a, blk);
-            scales();
+            scales(lib_copies);
         });
-        report_hashes("2-D two steps (tile kernel + scales kernel)", t, bytes, b.copy_gbs,
-                      {{b.q, n / 2}, {b.qt, n / 2}, {b.sr, n / 16}, {b.sc, n / 16}});
-        const float t2 = time_ms(scales);
-        report_hashes("scales kernel alone", t2, 2.0 * (n / 16) + n / 256, b.copy_gbs, {{b.sr, n / 16}, {b.sc, n / 16}});
+        char label[96];
+        snprintf(label, sizeof label, "2-D two steps (tile kernel + scales kernel, %d copies)", lib_copies);
+        report_hashes(label, t, bytes, b.copy_gbs, {{b.q, n / 2}, {b.qt, n / 2}, {b.sr, n / 16}, {b.sc, n / 16}});
+        for (int copies = 16; copies >= 1; copies /= 2) {
+            b.clear();
+            const float t2 = time_ms([&] { scales(copies); });
+            snprintf(label, sizeof label, "scales kernel alone, %d copies a CTA", copies);
+            report_hashes(label, t2, 2.0 * (n / 16) + n / 256, b.copy_gbs, {{b.sr, n / 16}, {b.sc, n / 16}});
+        }
     };
     for (int pass = 0; pass < 2; ++pass) {
         run_two_step();

@@ -825,20 +825,24 @@ struct TwoDTiles {
 // The second step of 2-D blocks' compact scales: the scale grids from the block grid blk
 // ([m/16, k/16], one byte a 16x16 block). Both grids hold each block-grid row (rowwise)
 // or column (columnwise) 16 times over, so a CTA loads a 32x32 tile of blk into shared
-// memory once and writes the 512 grid rows of each orientation that come from it, 32
-// bytes (8 words, 4 blocks each) a row, a warp 4 whole rows a store; blocks past the
-// edge store 0, as the cleared padding holds. s_row or s_col null: that grid is not
-// written. The both kernel's CTA owns 8 bytes of 128 rows of each grid: stored from the
-// tile kernel they cost an H100 a quarter of its time (partial lines that are not in L2;
-// 0.227 against 0.168 ms without them at 16384x8192, bench/cuda/nvfp4_2d.cu). (A warp a
-// grid row, gathering its bytes from blk 16 times over, took 0.045 ms for 16.8 MB.)
+// memory and writes `copies` (1, 2, 4, 8 or 16) of those 16 grid rows for each of its 32
+// block rows (and columns): 32 bytes (8 words, 4 blocks each) a grid row, a warp 4 whole
+// rows a store; blocks past the edge store 0, as the cleared padding holds. s_row or
+// s_col null: that grid is not written. The both kernel's CTA owns 8 bytes of 128 rows
+// of each grid: stored from the tile kernel they cost an H100 a quarter of its time
+// (partial lines that are not in L2; 0.227 against 0.168 ms without them at 16384x8192,
+// bench/cuda/nvfp4_2d.cu). (A warp a grid row, gathering its bytes from blk 16 times
+// over, took 0.045 ms for 16.8 MB; 16 copies a CTA left 4096x4096 64 CTAs, 0.006 ms.)
 __device__ void nvfp4_scales_2d_impl(const uint8_t* __restrict__ blk, u64 m, u64 k, uint8_t* __restrict__ s_row,
-                                     u64 s_row_cols, uint8_t* __restrict__ s_col, u64 s_col_cols, int swizzled) {
+                                     u64 s_row_cols, uint8_t* __restrict__ s_col, u64 s_col_cols, int swizzled,
+                                     int copies) {
     __shared__ __align__(16) uint8_t t[32][32];
     pdl_first();
     const u64 bm = m / 16, bk = k / 16;  // the block grid
+    const uint32_t groups = 16 / copies, tile = blockIdx.x / groups;
     const uint32_t gx = (uint32_t)((bk + 31) / 32);
-    const u64 ib0 = (u64)(blockIdx.x / gx) * 32, jb0 = (u64)(blockIdx.x % gx) * 32;
+    const u64 ib0 = (u64)(tile / gx) * 32, jb0 = (u64)(tile % gx) * 32;
+    const int v0 = (int)(blockIdx.x % groups) * copies;  // the CTA's first copy
     const int tid = threadIdx.x;
     {
         const int i = tid / 8, j = 4 * (tid % 8);
@@ -847,11 +851,11 @@ __device__ void nvfp4_scales_2d_impl(const uint8_t* __restrict__ blk, u64 m, u64
             t[i][j + b] = ib0 + i < bm && jb0 + j + b < bk ? blk[(ib0 + i) * bk + jb0 + j + b] : 0;
     }
     __syncthreads();
-    // 16 words a thread per grid: word w (blocks 4w .. 4w + 3 of the tile) of grid row
-    // 16 u + v (u the tile's block row or column, v its copy).
-#pragma unroll 4
-    for (int n = tid; n < 32 * 16 * 8; n += 256) {
-        const int u = n / 128, v = (n / 8) % 16, w = n % 8;
+    // Word w (blocks 4w .. 4w + 3 of the tile) of grid row 16 u + v (u the tile's block
+    // row or column, v its copy): copies words a thread per grid.
+    const int per_u = copies * 8;
+    for (int n = tid; n < 32 * per_u; n += 256) {
+        const int u = n / per_u, v = v0 + (n / 8) % copies, w = n % 8;
         if (s_row != nullptr && ib0 + u < bm && jb0 + 4 * w < bk) {
             const uint32_t word = *reinterpret_cast<const uint32_t*>(&t[u][4 * w]);
             *reinterpret_cast<uint32_t*>(s_row + scale_index(16 * (ib0 + u) + v, jb0 + 4 * w, s_row_cols, swizzled)) =
@@ -866,12 +870,12 @@ __device__ void nvfp4_scales_2d_impl(const uint8_t* __restrict__ blk, u64 m, u64
     }
 }
 
-// A CTA per 32x32 tile of the block grid (ceil(m/512) x ceil(k/512) CTAs, block-grid
-// columns fastest).
+// 16 / copies CTAs per 32x32 tile of the block grid (ceil(m/512) x ceil(k/512) tiles,
+// block-grid columns fastest; a tile's CTAs adjacent).
 extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_scales_2d(const uint8_t* __restrict__ blk, u64 m, u64 k,
                                                                          uint8_t* s_row, u64 s_row_cols, uint8_t* s_col,
-                                                                         u64 s_col_cols, int swizzled) {
-    nvfp4_scales_2d_impl(blk, m, k, s_row, s_row_cols, s_col, s_col_cols, swizzled);
+                                                                         u64 s_col_cols, int swizzled, int copies) {
+    nvfp4_scales_2d_impl(blk, m, k, s_row, s_row_cols, s_col, s_col_cols, swizzled, copies);
 }
 
 // ---- 1-D blocks with the RHT and/or stochastic rounding (2-byte inputs) ------------------

@@ -364,9 +364,12 @@ pub(crate) fn quantize_into(
         unsafe { launch_params(&dev, &f, cfg, OP, order, &mut params) }?;
         if blk.is_some() {
             let g = dev.function(&NVFP4_PTX, "tessera_nvfp4_scales_2d")?;
-            // A CTA per 32x32 tile of the block grid.
+            // 16 / copies CTAs per 32x32 tile of the block grid, at least 2048 in all
+            // where the tiles allow (a CTA per tile left 4096x4096 64 CTAs).
             let tiles = (m / 16).div_ceil(32) * (k / 16).div_ceil(32);
-            let ctas = u32::try_from(tiles).map_err(|_| {
+            let groups = 2048usize.div_ceil(tiles).next_power_of_two().min(16);
+            let copies = (16 / groups) as i32;
+            let ctas = u32::try_from(tiles * groups).map_err(|_| {
                 Error::shape(
                     OP,
                     format!("[{m}, {k}] needs more than {} scale-grid CTAs", u32::MAX),
@@ -381,11 +384,12 @@ pub(crate) fn quantize_into(
             p.arg(&blk_addr).arg(&args.m).arg(&args.k);
             p.arg(&args.s_row).arg(&args.s_row_cols);
             p.arg(&args.s_col).arg(&args.s_col_cols).arg(&args.swizzled);
+            p.arg(&copies);
             // SAFETY: (const u8* blk, u64 m, u64 k, u8* s_row, u64 s_row_cols, u8* s_col,
-            // u64 s_col_cols, int swizzled): blk the [m/16, k/16] block grid the kernel
-            // before filled, the scale grids as above (s_row null without rowwise data),
-            // a CTA for each 32x32 tile of the block grid; the kernel calls pdl_first()
-            // before any memory access.
+            // u64 s_col_cols, int swizzled, int copies): blk the [m/16, k/16] block grid
+            // the kernel before filled, the scale grids as above (s_row null without
+            // rowwise data), copies dividing 16 and 16 / copies CTAs for each 32x32 tile of
+            // the block grid; the kernel calls pdl_first() before any memory access.
             unsafe { launch_params(&dev, &g, cfg, OP, Order::WaitFirst, &mut p) }?;
         }
         Ok(())
