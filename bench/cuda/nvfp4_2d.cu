@@ -102,10 +102,10 @@ static void run_shape(u64 M, u64 K) {
     uint8_t* blk;
     CK(cudaMalloc(&blk, n / 256));
     // The scales kernel with `copies` grid rows of 16 a CTA; the library's choice: at
-    // least 2048 CTAs where the tiles allow.
+    // least 512 CTAs where the tiles allow.
     const u64 tiles = ((M / 16 + 31) / 32) * ((K / 16 + 31) / 32);
     int lib_copies = 16;
-    while (lib_copies > 1 && tiles * (16 / lib_copies) < 2048) lib_copies /= 2;
+    while (lib_copies > 1 && tiles * (16 / lib_copies) < 512) lib_copies /= 2;
     auto scales = [&](int copies) {
         const unsigned g2 = (unsigned)(tiles * (16 / copies));
         tessera_nvfp4_scales_2d<<<g2, 256>>>(blk, M, K, b.sr, b.sr_cols, b.sc, b.sc_cols, 0, copies);

@@ -202,6 +202,18 @@ impl Amaxes {
     }
 }
 
+/// The fewest values of a 2-D NVFP4 tensor whose compact scale grids take two steps
+/// (block grid, then `tessera_nvfp4_scales_2d`). In one step the tile kernel stores 8
+/// bytes of 128 rows of each grid, partial lines: while the output fits in L2 (50 MB on
+/// an H100 or H200) they merge there and cost little (4096x4096: 0.0023 ms of 0.0199 on
+/// an H200), beyond it they go to DRAM as partial lines and cost a quarter of the
+/// kernel (16384x8192: 0.048 of 0.174 ms), where the second kernel costs 0.016. Two
+/// steps lost 4.0% at 4096x4096 and won 13.7% at 16384x8192 (H200, BENCHMARKS). The
+/// bound is the first square shape whose outputs (1 1/8 bytes a value, both
+/// orientations) exceed L2: 8192x8192 writes 75 MB, 4096x4096 19 MB. The crossover
+/// between the two measured shapes has not been measured.
+const TWO_STEP_2D_MIN_VALUES: usize = 1 << 26;
+
 /// Quantizes `x` into `out` (NVFP4, its usage's buffers).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn quantize_into(
@@ -230,9 +242,11 @@ pub(crate) fn quantize_into(
     let two_byte = x.dtype().size_in_bytes() == 2;
     let tiles_2d = two_d && !rht && !sr && two_byte;
     // 2-D blocks' compact scale grids in two steps when the columnwise grid is written
-    // (kernels/nvfp4.cu, tessera_nvfp4_scales_2d): the tile kernel stores one byte a block
-    // into a block grid, a second kernel the grids' whole lines.
-    let blk = match tiles_2d && usage.columnwise() && !swizzled && m > 0 && k > 0 {
+    // and the tensor is large (TWO_STEP_2D_MIN_VALUES; kernels/nvfp4.cu,
+    // tessera_nvfp4_scales_2d): the tile kernel stores one byte a block into a block grid,
+    // a second kernel the grids' whole lines.
+    let two_step = m * k >= TWO_STEP_2D_MIN_VALUES;
+    let blk = match tiles_2d && usage.columnwise() && !swizzled && two_step {
         true => Some(Tensor::empty([(m / 16) * (k / 16)], DType::U8, x.device())?),
         false => None,
     };
@@ -364,10 +378,12 @@ pub(crate) fn quantize_into(
         unsafe { launch_params(&dev, &f, cfg, OP, order, &mut params) }?;
         if blk.is_some() {
             let g = dev.function(&NVFP4_PTX, "tessera_nvfp4_scales_2d")?;
-            // 16 / copies CTAs per 32x32 tile of the block grid, at least 2048 in all
-            // where the tiles allow (a CTA per tile left 4096x4096 64 CTAs).
+            // 16 / copies CTAs per 32x32 tile of the block grid, at least 512 in all
+            // where the tiles allow: on an H200 the best of 1-16 copies at 16384x8192
+            // (512 tiles, 16 copies: 0.0145 ms, 1 copy 0.0228) and at 4096x4096 (64 tiles,
+            // 2-4 copies: 0.0047 ms, 1 copy 0.0053, 16 copies 0.0070).
             let tiles = (m / 16).div_ceil(32) * (k / 16).div_ceil(32);
-            let groups = 2048usize.div_ceil(tiles).next_power_of_two().min(16);
+            let groups = 512usize.div_ceil(tiles).next_power_of_two().min(16);
             let copies = (16 / groups) as i32;
             let ctas = u32::try_from(tiles * groups).map_err(|_| {
                 Error::shape(
