@@ -238,9 +238,18 @@ pub(crate) fn quantize_into(
     // and/or stochastic rounding, and 2-D blocks of 2-byte inputs rounded to nearest
     // without the RHT (TE's recipe for weights; any usage); f32 inputs with any option
     // and 2-D blocks with either option take the general kernel.
-    let plain = !two_d && !rht && !sr;
+    let row_only = !two_d && !rht && !sr && !usage.columnwise();
+    // The 128x128 tile kernels, by their infix after `tessera_nvfp4_both_`.
     let two_byte = x.dtype().size_in_bytes() == 2;
-    let tiles_2d = two_d && !rht && !sr && two_byte;
+    let tile_kernel = match (two_d, rht, sr) {
+        (false, false, false) => Some(""),
+        (true, false, false) if two_byte => Some("2d_"),
+        (false, true, true) if two_byte => Some("rht_sr_"),
+        (false, true, false) if two_byte => Some("rht_"),
+        (false, false, true) if two_byte => Some("sr_"),
+        _ => None,
+    };
+    let tiles_2d = tile_kernel == Some("2d_");
     // 2-D blocks' compact scale grids in two steps when the columnwise grid is written
     // and the tensor is large (TWO_STEP_2D_MIN_VALUES; kernels/nvfp4.cu,
     // tessera_nvfp4_scales_2d): the tile kernel stores one byte a block into a block grid,
@@ -249,16 +258,6 @@ pub(crate) fn quantize_into(
     let blk = match tiles_2d && usage.columnwise() && !swizzled && two_step {
         true => Some(Tensor::empty([(m / 16) * (k / 16)], DType::U8, x.device())?),
         false => None,
-    };
-    let row_only = plain && !usage.columnwise();
-    // The 128x128 tile kernels, by their infix after `tessera_nvfp4_both_`.
-    let tile_kernel = match (two_d, rht, sr) {
-        (false, false, false) => Some(""),
-        (true, false, false) if two_byte => Some("2d_"),
-        (false, true, true) if two_byte => Some("rht_sr_"),
-        (false, true, false) if two_byte => Some("rht_"),
-        (false, false, true) if two_byte => Some("sr_"),
-        _ => None,
     };
     let col_tiles = k.div_ceil(256 * ROW_BLOCKS);
     let (name, cfg) = if row_only {
@@ -378,24 +377,26 @@ pub(crate) fn quantize_into(
         unsafe { launch_params(&dev, &f, cfg, OP, order, &mut params) }?;
         if blk.is_some() {
             let g = dev.function(&NVFP4_PTX, "tessera_nvfp4_scales_2d")?;
-            // 16 / copies CTAs per 32x32 tile of the block grid, at least 512 in all
-            // where the tiles allow: on an H200 the best of 1-16 copies at 16384x8192
-            // (512 tiles, 16 copies: 0.0145 ms, 1 copy 0.0228) and at 4096x4096 (64 tiles,
-            // 2-4 copies: 0.0047 ms, 1 copy 0.0053, 16 copies 0.0070).
-            let tiles = (m / 16).div_ceil(32) * (k / 16).div_ceil(32);
+            // 16 / copies CTAs per 32x32 tile of the block grid (512x512 values), at
+            // least 512 in all where the tiles allow: on an H200 the best of 1-16 copies
+            // at 16384x8192 (512 tiles, 16 copies: 0.0145 ms, 1 copy 0.0228) and at
+            // 4096x4096 (64 tiles, 2-4 copies: 0.0047 ms, 1 copy 0.0053, 16 copies 0.0070).
+            let mut cfg = tile_grid(OP, m, k, 512, 512)?;
+            let tiles = cfg.grid_dim.0 as usize;
             let groups = 512usize.div_ceil(tiles).next_power_of_two().min(16);
             let copies = (16 / groups) as i32;
-            let ctas = u32::try_from(tiles * groups).map_err(|_| {
-                Error::shape(
+            let ctas = tiles * groups;
+            if ctas > i32::MAX as usize {
+                return Err(Error::shape(
                     OP,
-                    format!("[{m}, {k}] needs more than {} scale-grid CTAs", u32::MAX),
-                )
-            })?;
-            let cfg = LaunchConfig {
-                grid_dim: (ctas, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
+                    format!(
+                        "[{m}, {k}] needs {ctas} scale-grid CTAs; the launch grid holds at \
+                         most {}",
+                        i32::MAX
+                    ),
+                ));
+            }
+            cfg.grid_dim.0 = ctas as u32;
             let mut p = Params::default();
             p.arg(&blk_addr).arg(&args.m).arg(&args.k);
             p.arg(&args.s_row).arg(&args.s_row_cols);
