@@ -100,15 +100,15 @@ static void run_shape(u64 M, u64 K) {
         report_hashes(label, t, bytes, b.copy_gbs, {{b.q, n / 2}, {b.qt, n / 2}, {b.sr, n / 16}, {b.sc, n / 16}});
     };
     uint8_t* blk;
-    CK(cudaMalloc(&blk, n / 256));
-    // The scales kernel with `copies` grid rows of 16 a CTA; the library's choice: at
-    // least 512 CTAs where the tiles allow.
-    const u64 tiles = ((M / 16 + 31) / 32) * ((K / 16 + 31) / 32);
+    CK(cudaMalloc(&blk, n / 128 + M + K));  // BlockGrids, padding included
+    // The scales kernel with `copies` of a grid row's 16 a thread; the library's choice:
+    // at least 2^18 threads where the grids allow.
+    const u64 words = std::max(M / 16 * ((K / 16 + 3) / 4 * 4), K / 16 * ((M / 16 + 3) / 4 * 4)) / 4;
     int lib_copies = 16;
-    while (lib_copies > 1 && tiles * (16 / lib_copies) < 512) lib_copies /= 2;
+    while (lib_copies > 1 && 2 * words * (16 / lib_copies) < (1u << 18)) lib_copies /= 2;
     auto scales = [&](int copies) {
-        const unsigned g2 = (unsigned)(tiles * (16 / copies));
-        tessera_nvfp4_scales_2d<<<g2, 256>>>(blk, M, K, b.sr, b.sr_cols, b.sc, b.sc_cols, 0, copies);
+        const dim3 g2((unsigned)((words + 255) / 256), 2, 16 / copies);
+        tessera_nvfp4_scales_2d<<<g2, 256>>>(blk, M, K, b.sr, b.sr_cols, b.sc, b.sc_cols, copies);
     };
     auto run_two_step = [&] {
         const Nvfp4Args a = b.args(b.amax, true);

@@ -746,10 +746,20 @@ __device__ __forceinline__ void store_cols_2d(const Nvfp4Args& a, u64 r0, u64 co
     for (int j = 0; j < 8; ++j) *reinterpret_cast<uint32_t*>(q + j * (a.m / 2)) = c[j];
 }
 
+// The block grids of 2-D blocks' two-step compact scales, one byte a 16x16 block: the
+// [m/16, k/16] grid in rows of pr bytes, then its transpose, [k/16, m/16] in rows of pc
+// bytes; pr and pc are the compact scale grids' row lengths (the block counts rounded up
+// to 4), so a word of 4 blocks is aligned in both. Padding columns are never written.
+struct BlockGrids {
+    u64 bm, bk, pr, pc;
+    __device__ BlockGrids(u64 m, u64 k) : bm(m / 16), bk(k / 16), pr((k / 16 + 3) / 4 * 4), pc((m / 16 + 3) / 4 * 4) {}
+    __device__ u64 col_offset() const { return bm * pr; }
+};
+
 // Quantizes the 128x128 tile at (R0, C0) of 2-byte inputs in 16x16 blocks, the lane's
 // values in d (zeros when !valid), with the tables filled; synchronises the CTA before it
 // reads the tables, and before the flush of the staged scale bytes unless blk (the
-// [m/16, k/16] block grid, or null) takes them (two steps, see tessera_nvfp4_scales_2d).
+// BlockGrids, or null) takes them (two steps, see tessera_nvfp4_scales_2d).
 // A warp whose blocks all pass `b <= lim[e]` (both_tile's fast path) encodes without
 // saturation or NaN handling and takes the signs from the raw bits; any other warp as
 // nvfp4_impl does (NaN-ignoring block amax, saturating encoder). Both give the same bytes.
@@ -789,10 +799,16 @@ __device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLan
             w[i] = e2m1x8(v, ge);
         }
     }
-    // Two steps: one lane of the block's 4 stores its byte into the block grid, from
-    // which tessera_nvfp4_scales_2d writes the scale grids after this kernel.
-    if (blk == nullptr) stage_block_2d(sh.stage, l, (uint8_t)e);
-    else if (valid && (l.cg & 1) == 0 && (l.g & 1) == 0) blk[(r0 / 16) * (a.k / 16) + col / 16] = (uint8_t)e;
+    // Two steps: one lane of the block's 4 stores its byte into the block grid and its
+    // transpose, from which tessera_nvfp4_scales_2d writes the scale grids after this
+    // kernel.
+    if (blk == nullptr) {
+        stage_block_2d(sh.stage, l, (uint8_t)e);
+    } else if (valid && (l.cg & 1) == 0 && (l.g & 1) == 0) {
+        const BlockGrids g(a.m, a.k);
+        if (a.s_row != nullptr) blk[(r0 / 16) * g.pr + col / 16] = (uint8_t)e;
+        if (a.s_col != nullptr) blk[g.col_offset() + (col / 16) * g.pc + r0 / 16] = (uint8_t)e;
+    }
     if (valid) {
         if (a.q_row != nullptr) store_rows_2d(a, r0, col, w);
         if (a.q_col != nullptr) {
@@ -822,60 +838,46 @@ struct TwoDTiles {
     }
 };
 
-// The second step of 2-D blocks' compact scales: the scale grids from the block grid blk
-// ([m/16, k/16], one byte a 16x16 block). Both grids hold each block-grid row (rowwise)
-// or column (columnwise) 16 times over, so a CTA loads a 32x32 tile of blk into shared
-// memory and writes `copies` (1, 2, 4, 8 or 16) of those 16 grid rows for each of its 32
-// block rows (and columns): 32 bytes (8 words, 4 blocks each) a grid row, a warp 4 whole
-// rows a store; blocks past the edge store 0, as the cleared padding holds. s_row or
-// s_col null: that grid is not written. The both kernel's CTA owns 8 bytes of 128 rows
-// of each grid: stored from the tile kernel they cost an H100 a quarter of its time
-// (partial lines that are not in L2; 0.227 against 0.168 ms without them at 16384x8192,
-// bench/cuda/nvfp4_2d.cu). (A warp a grid row, gathering its bytes from blk 16 times
-// over, took 0.045 ms for 16.8 MB; 16 copies a CTA left 4096x4096 64 CTAs, 0.006 ms.)
+// The second step of 2-D blocks' compact scales: the grids from the BlockGrids at blk.
+// Grid row 16 i + v of the rowwise grid is row i of the block grid, of the columnwise
+// grid row i of its transpose (v = 0 .. 15). A thread loads one word (4 blocks) of a
+// block-grid row, clears the bytes past the row's end (the grids' padding is 0), and
+// stores the word into `copies` (1, 2, 4, 8 or 16) of its 16 grid rows: a warp stores 32
+// consecutive words of a row, whole lines. blockIdx.y picks the grid (0 rowwise, 1
+// columnwise; a null grid is not written), blockIdx.z the copies. The both kernel's CTA
+// owns 8 bytes of 128 rows of each grid: stored from the tile kernel they cost a quarter
+// of its time (0.227 against 0.168 ms without them at 16384x8192 on an H100, 0.174
+// against 0.126 on an H200; bench/cuda/nvfp4_2d.cu). (A CTA a 32x32 tile of the block
+// grid through shared memory, 32-byte pieces of grid rows, took 0.0145 ms on the H200
+// for 16.8 MB; a warp a grid row gathering single bytes 0.045 ms on the H100.)
 __device__ void nvfp4_scales_2d_impl(const uint8_t* __restrict__ blk, u64 m, u64 k, uint8_t* __restrict__ s_row,
-                                     u64 s_row_cols, uint8_t* __restrict__ s_col, u64 s_col_cols, int swizzled,
-                                     int copies) {
-    __shared__ __align__(16) uint8_t t[32][32];
+                                     u64 s_row_cols, uint8_t* __restrict__ s_col, u64 s_col_cols, int copies) {
     pdl_first();
-    const u64 bm = m / 16, bk = k / 16;  // the block grid
-    const uint32_t groups = 16 / copies, tile = blockIdx.x / groups;
-    const uint32_t gx = (uint32_t)((bk + 31) / 32);
-    const u64 ib0 = (u64)(tile / gx) * 32, jb0 = (u64)(tile % gx) * 32;
-    const int v0 = (int)(blockIdx.x % groups) * copies;  // the CTA's first copy
-    const int tid = threadIdx.x;
-    {
-        const int i = tid / 8, j = 4 * (tid % 8);
-#pragma unroll
-        for (int b = 0; b < 4; ++b)
-            t[i][j + b] = ib0 + i < bm && jb0 + j + b < bk ? blk[(ib0 + i) * bk + jb0 + j + b] : 0;
+    const BlockGrids g(m, k);
+    const bool cols = blockIdx.y == 1;
+    uint8_t* dst = cols ? s_col : s_row;
+    if (dst == nullptr) return;
+    const uint8_t* src = cols ? blk + g.col_offset() : blk;
+    const u64 rows = cols ? g.bk : g.bm, n = cols ? g.bm : g.bk, pitch = cols ? g.pc : g.pr;
+    const u64 words = (cols ? s_col_cols : s_row_cols) / 4;  // a grid row's
+    const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= rows * words) return;
+    const u64 i = t / words, w = t % words;
+    uint32_t word = 0;
+    if (4 * w < n) {
+        word = *reinterpret_cast<const uint32_t*>(src + i * pitch + 4 * w);
+        if (n - 4 * w < 4) word &= (1u << (8 * (n - 4 * w))) - 1u;  // past the row's end
     }
-    __syncthreads();
-    // Word w (blocks 4w .. 4w + 3 of the tile) of grid row 16 u + v (u the tile's block
-    // row or column, v its copy): copies words a thread per grid.
-    const int per_u = copies * 8;
-    for (int n = tid; n < 32 * per_u; n += 256) {
-        const int u = n / per_u, v = v0 + (n / 8) % copies, w = n % 8;
-        if (s_row != nullptr && ib0 + u < bm && jb0 + 4 * w < bk) {
-            const uint32_t word = *reinterpret_cast<const uint32_t*>(&t[u][4 * w]);
-            *reinterpret_cast<uint32_t*>(s_row + scale_index(16 * (ib0 + u) + v, jb0 + 4 * w, s_row_cols, swizzled)) =
-                word;
-        }
-        if (s_col != nullptr && jb0 + u < bk && ib0 + 4 * w < bm) {
-            const uint32_t word = (uint32_t)t[4 * w][u] | (uint32_t)t[4 * w + 1][u] << 8 |
-                                  (uint32_t)t[4 * w + 2][u] << 16 | (uint32_t)t[4 * w + 3][u] << 24;
-            *reinterpret_cast<uint32_t*>(s_col + scale_index(16 * (jb0 + u) + v, ib0 + 4 * w, s_col_cols, swizzled)) =
-                word;
-        }
-    }
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst) + (16 * i + (u64)blockIdx.z * copies) * words + w;
+#pragma unroll 4
+    for (int v = 0; v < copies; ++v) d[v * words] = word;
 }
 
-// 16 / copies CTAs per 32x32 tile of the block grid (ceil(m/512) x ceil(k/512) tiles,
-// block-grid columns fastest; a tile's CTAs adjacent).
+// Grid (ceil(max(rowwise, columnwise grid words a copy) / 256), 2, 16 / copies).
 extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_scales_2d(const uint8_t* __restrict__ blk, u64 m, u64 k,
                                                                          uint8_t* s_row, u64 s_row_cols, uint8_t* s_col,
-                                                                         u64 s_col_cols, int swizzled, int copies) {
-    nvfp4_scales_2d_impl(blk, m, k, s_row, s_row_cols, s_col, s_col_cols, swizzled, copies);
+                                                                         u64 s_col_cols, int copies) {
+    nvfp4_scales_2d_impl(blk, m, k, s_row, s_row_cols, s_col, s_col_cols, copies);
 }
 
 // ---- 1-D blocks with the RHT and/or stochastic rounding (2-byte inputs) ------------------

@@ -251,12 +251,17 @@ pub(crate) fn quantize_into(
     };
     let tiles_2d = tile_kernel == Some("2d_");
     // 2-D blocks' compact scale grids in two steps when the columnwise grid is written
-    // and the tensor is large (TWO_STEP_2D_MIN_VALUES; kernels/nvfp4.cu,
-    // tessera_nvfp4_scales_2d): the tile kernel stores one byte a block into a block grid,
-    // a second kernel the grids' whole lines.
+    // and the tensor is large (TWO_STEP_2D_MIN_VALUES; kernels/nvfp4.cu, BlockGrids and
+    // tessera_nvfp4_scales_2d): the tile kernel stores one byte a block into the block
+    // grid and its transpose (rows padded to 4 bytes), a second kernel the grids' whole
+    // lines.
     let two_step = m * k >= TWO_STEP_2D_MIN_VALUES;
+    let (bm, bk) = (m / 16, k / 16);
     let blk = match tiles_2d && usage.columnwise() && !swizzled && two_step {
-        true => Some(Tensor::empty([(m / 16) * (k / 16)], DType::U8, x.device())?),
+        true => {
+            let bytes = bm * bk.next_multiple_of(4) + bk * bm.next_multiple_of(4);
+            Some(Tensor::empty([bytes], DType::U8, x.device())?)
+        }
         false => None,
     };
     let col_tiles = k.div_ceil(256 * ROW_BLOCKS);
@@ -371,21 +376,21 @@ pub(crate) fn quantize_into(
         // usages. The row kernel takes (const T* x, u64 m, u64 k, const float* amax, u8* q,
         // u8* s, u64 s_cols, int swizzled, u64 col_tiles), its grid covering (m / 16) x
         // col_tiles tiles exactly; the others (const T* x, Nvfp4Args a), and the 2-D one
-        // also (u8* blk), the [m/16, k/16] block grid or null, their tiles (128x128
+        // also (u8* blk), the block grids allocated above or null, their tiles (128x128
         // banded or 64x64) covering [m, k]. Every one reads nothing the amax pass
         // writes before pdl_wait(), and the amax pass ran last when there is no reduction.
         unsafe { launch_params(&dev, &f, cfg, OP, order, &mut params) }?;
         if blk.is_some() {
             let g = dev.function(&NVFP4_PTX, "tessera_nvfp4_scales_2d")?;
-            // 16 / copies CTAs per 32x32 tile of the block grid (512x512 values), at
-            // least 512 in all where the tiles allow: on an H200 the best of 1-16 copies
-            // at 16384x8192 (512 tiles, 16 copies: 0.0145 ms, 1 copy 0.0228) and at
-            // 4096x4096 (64 tiles, 2-4 copies: 0.0047 ms, 1 copy 0.0053, 16 copies 0.0070).
-            let mut cfg = tile_grid(OP, m, k, 512, 512)?;
-            let tiles = cfg.grid_dim.0 as usize;
-            let groups = 512usize.div_ceil(tiles).next_power_of_two().min(16);
+            // A thread per word of a grid row (4 blocks), writing `copies` of its 16
+            // copies: at least 2^18 threads where the grids allow (two waves of an H200).
+            let words = (bm * bk.next_multiple_of(4)).max(bk * bm.next_multiple_of(4)) / 4;
+            let groups = (1usize << 18)
+                .div_ceil(2 * words)
+                .next_power_of_two()
+                .min(16);
             let copies = (16 / groups) as i32;
-            let ctas = tiles * groups;
+            let ctas = words.div_ceil(256);
             if ctas > i32::MAX as usize {
                 return Err(Error::shape(
                     OP,
@@ -396,17 +401,22 @@ pub(crate) fn quantize_into(
                     ),
                 ));
             }
-            cfg.grid_dim.0 = ctas as u32;
+            let cfg = LaunchConfig {
+                grid_dim: (ctas as u32, 2, groups as u32),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
             let mut p = Params::default();
             p.arg(&blk_addr).arg(&args.m).arg(&args.k);
             p.arg(&args.s_row).arg(&args.s_row_cols);
-            p.arg(&args.s_col).arg(&args.s_col_cols).arg(&args.swizzled);
-            p.arg(&copies);
+            p.arg(&args.s_col).arg(&args.s_col_cols).arg(&copies);
             // SAFETY: (const u8* blk, u64 m, u64 k, u8* s_row, u64 s_row_cols, u8* s_col,
-            // u64 s_col_cols, int swizzled, int copies): blk the [m/16, k/16] block grid
-            // the kernel before filled, the scale grids as above (s_row null without
-            // rowwise data), copies dividing 16 and 16 / copies CTAs for each 32x32 tile of
-            // the block grid; the kernel calls pdl_first() before any memory access.
+            // u64 s_col_cols, int copies): blk the block grids the kernel before filled
+            // (bm x bk padded to 4, then bk x bm padded to 4, as allocated above), the
+            // compact scale grids as above (rows of s_*_cols bytes, multiples of 4; s_row
+            // null without rowwise data), copies * groups = 16, a thread for each word of
+            // the larger grid's block rows; the kernel calls pdl_first() before any memory
+            // access.
             unsafe { launch_params(&dev, &g, cfg, OP, Order::WaitFirst, &mut p) }?;
         }
         Ok(())
