@@ -7,6 +7,7 @@
 // differ from the shipped kernel's differ on purpose. bf16 inputs that take the fast
 // path everywhere, compact and swizzled scales. NC_ORDER=1 runs the shipped kernel
 // between the flush variants instead (whether one leaves the next kernel faster);
+// NC_ENC=1 times only the encoder variants, three rounds, and the permute packing;
 // NC_TWO_STEP=1 times compact scales written through a per-tile scratch and a second
 // kernel, whose bytes must hash as the shipped kernel's.
 // Build on the GPU machine:
@@ -46,6 +47,30 @@ struct BothOneOp : ColsOneOp {
 struct NoOp : BothParts {
     static __device__ __forceinline__ uint32_t col_magnitudes(const float* v, float g) { return no_op(v, g); }
     static __device__ __forceinline__ uint32_t row_magnitudes(const float* v, float g) { return no_op(v, g); }
+};
+
+// The shipped encoder's magnitudes packed by byte permutes instead of shifted adds: the
+// least line's float bits hold the code in their low byte, so 3 permutes gather 4 codes
+// into bytes and one shifted add interleaves the two halves' nibbles (7 operations for 8
+// values against 8 shifted adds and the bias). Same bytes as shipped.
+__device__ __forceinline__ uint32_t magnitudes_prmt(const float* v, float g) {
+    const float k = 8388608.0f;  // 2^23
+    uint32_t c[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float a = fabsf(__fmul_rn(v[j], g));
+        const uint32_t f0 = __float_as_uint(__fmaf_rn(a, 2.0f, k));
+        const uint32_t f1 = __float_as_uint(__fadd_rn(a, k + 2.0f));
+        const uint32_t f2 = __float_as_uint(__fmaf_rn(a, 0.5f, k + 4.0f));
+        c[j] = min(min(f0, f1), f2);
+    }
+    const uint32_t even = prmt(prmt(c[0], c[2], 0x0040u), prmt(c[4], c[6], 0x0040u), 0x5410u);
+    const uint32_t odd = prmt(prmt(c[1], c[3], 0x0040u), prmt(c[5], c[7], 0x0040u), 0x5410u);
+    return even + (odd << 4);
+}
+struct PrmtPack : BothParts {
+    static __device__ __forceinline__ uint32_t col_magnitudes(const float* v, float g) { return magnitudes_prmt(v, g); }
+    static __device__ __forceinline__ uint32_t row_magnitudes(const float* v, float g) { return magnitudes_prmt(v, g); }
 };
 
 // Scale flushes (compact scales only; swizzled ones keep the shipped flush).
@@ -227,6 +252,17 @@ static void run_shape(u64 M, u64 K) {
             run_two_step();
             run(tessera_nvfp4_both_bf16, "shipped");
             run_two_step();
+            continue;
+        }
+        if (std::getenv("NC_ENC") != nullptr) {
+            // Whether the instruction count moves this card's time: the encoders only.
+            for (int pass = 0; pass < 3; ++pass) {
+                run(tessera_nvfp4_both_bf16, "shipped");
+                run(cost_var<PrmtPack>, "magnitudes packed by permutes");
+                run(cost_var<BothOneOp>, "both one op a value");
+                run(cost_var<RowsOneOp>, "rows one op a value");
+                run(cost_var<NoOp>, "no op a value");
+            }
             continue;
         }
         if (std::getenv("NC_ORDER") != nullptr) {
