@@ -30,7 +30,7 @@ __device__ __forceinline__ void tile2d(const BothTile<__nv_bfloat16>& d, const B
                                        bool valid, const Nvfp4Args& a, BothShared& sh) {
     using T = __nv_bfloat16;
     const u64 r0 = R0 + l.rt, col = C0 + l.ct;
-    const float b = block_amax_2d<T>(d);
+    const float b = block_amax_2d<T, true>(d);
     __syncthreads();
     const uint32_t e = fp8<true>(__fmul_rn(b, __fmul_rn(sh.se[0], 0.16666667163372040f)));
     const float2 t = sh.tab[0][e];

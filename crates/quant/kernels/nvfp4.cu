@@ -703,22 +703,23 @@ __device__ __forceinline__ void transpose_nibbles8(const uint32_t* w, uint32_t* 
         }
 }
 
-// The |.| max of the lane's 16x16 block, NaN-propagating: the lane's 64 values as packed
-// pairs (a row's 4 words, then a tree over the rows), then over the block's 4 lanes (xor
-// 1, xor 8), then the two halves. Every lane of the warp must call it.
-template <class T> __device__ __forceinline__ float block_amax_2d(const BothTile<T>& d) {
+// The |.| max of the lane's 16x16 block: the lane's 64 values as packed pairs (a row's 4
+// words, then a tree over the rows), then over the block's 4 lanes (xor 1, xor 8), then
+// the two halves. Nan = true propagates NaN (a NaN anywhere gives NaN); false ignores it
+// as __hmax2 does (NaN only when all 256 values are). Every lane of the warp must call it.
+template <class T, bool Nan> __device__ __forceinline__ float block_amax_2d(const BothTile<T>& d) {
     uint32_t rm[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i)
-        rm[i] = hmax2w<T, true>(hmax2w<T, true>(habs2w<T>(d.w[i][0]), habs2w<T>(d.w[i][1])),
-                                hmax2w<T, true>(habs2w<T>(d.w[i][2]), habs2w<T>(d.w[i][3])));
+        rm[i] = hmax2w<T, Nan>(hmax2w<T, Nan>(habs2w<T>(d.w[i][0]), habs2w<T>(d.w[i][1])),
+                               hmax2w<T, Nan>(habs2w<T>(d.w[i][2]), habs2w<T>(d.w[i][3])));
 #pragma unroll
     for (int s = 4; s > 0; s /= 2)
 #pragma unroll
-        for (int i = 0; i < s; ++i) rm[i] = hmax2w<T, true>(rm[i], rm[i + s]);
-    uint32_t mx = hmax2w<T, true>(rm[0], __shfl_xor_sync(0xFFFFFFFFu, rm[0], 1));
-    mx = hmax2w<T, true>(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
-    return lo_f32<T>(hmax2_rows<T, true>(mx, mx));
+        for (int i = 0; i < s; ++i) rm[i] = hmax2w<T, Nan>(rm[i], rm[i + s]);
+    uint32_t mx = hmax2w<T, Nan>(rm[0], __shfl_xor_sync(0xFFFFFFFFu, rm[0], 1));
+    mx = hmax2w<T, Nan>(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
+    return lo_f32<T>(hmax2_rows<T, Nan>(mx, mx));
 }
 
 // The scale byte e of the lane's 16x16 block for its 16 rows and 16 columns: this lane's
@@ -767,7 +768,7 @@ template <class T>
 __device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
                                              const Nvfp4Args& a, BothShared& sh, uint8_t* blk) {
     const u64 r0 = R0 + l.rt, col = C0 + l.ct;
-    const float b = block_amax_2d<T>(d);
+    const float b = block_amax_2d<T, true>(d);
     __syncthreads();
     // One global amax: the tables of both orientations are equal; take a filled one.
     const int o = a.q_row != nullptr ? 0 : 1;
@@ -782,15 +783,9 @@ __device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLan
             w[i] = e2m1x8_magnitudes(v, t.x) | row_signs(d.w[i]);
         }
     } else {
-        uint32_t nm = habs2w<T>(d.w[0][0]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-#pragma unroll
-            for (int p = 0; p < 4; ++p) nm = hmax2w<T>(nm, habs2w<T>(d.w[i][p]));
-        float lo, hi;
-        hmax2_lanes<T, 1, 8>(nm, lo, hi);
+        // NaN-ignoring, and 0 for a block of NaNs, as the 1-D blocks' amax.
         const float s_enc = sh.se[o];
-        e = block_scale(fmaxf(lo, hi), s_enc);
+        e = block_scale(fmaxf(0.0f, block_amax_2d<T, false>(d)), s_enc);
         const float ge = block_encode_scale((uint8_t)e, __frcp_rn(s_enc));
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
