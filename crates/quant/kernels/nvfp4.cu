@@ -854,18 +854,17 @@ __device__ void nvfp4_scales_2d_impl(const uint8_t* __restrict__ blk, u64 m, u64
     if (dst == nullptr) return;
     const uint8_t* src = cols ? blk + g.col_offset() : blk;
     const u64 rows = cols ? g.bk : g.bm, n = cols ? g.bm : g.bk, pitch = cols ? g.pc : g.pr;
-    const u64 words = (cols ? s_col_cols : s_row_cols) / 4;  // a grid row's
+    // A block-grid row's words; the scale grid's row stride in words (at least as many:
+    // its columns past the block grid's are padding, cleared before).
+    const u64 words = pitch / 4, stride = (cols ? s_col_cols : s_row_cols) / 4;
     const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= rows * words) return;
     const u64 i = t / words, w = t % words;
-    uint32_t word = 0;
-    if (4 * w < n) {
-        word = *reinterpret_cast<const uint32_t*>(src + i * pitch + 4 * w);
-        if (n - 4 * w < 4) word &= (1u << (8 * (n - 4 * w))) - 1u;  // past the row's end
-    }
-    uint32_t* d = reinterpret_cast<uint32_t*>(dst) + (16 * i + (u64)blockIdx.z * copies) * words + w;
+    uint32_t word = *reinterpret_cast<const uint32_t*>(src + i * pitch + 4 * w);
+    if (n - 4 * w < 4) word &= (1u << (8 * (n - 4 * w))) - 1u;  // past the row's end
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst) + (16 * i + (u64)blockIdx.z * copies) * stride + w;
 #pragma unroll 4
-    for (int v = 0; v < copies; ++v) d[v * words] = word;
+    for (int v = 0; v < copies; ++v) d[v * stride] = word;
 }
 
 // Grid (ceil(max(rowwise, columnwise grid words a copy) / 256), 2, 16 / copies).
