@@ -54,16 +54,9 @@ struct NoOp : BothParts {
 // into bytes and one shifted add interleaves the two halves' nibbles (7 operations for 8
 // values against 8 shifted adds and the bias). Same bytes as shipped.
 __device__ __forceinline__ uint32_t magnitudes_prmt(const float* v, float g) {
-    const float k = 8388608.0f;  // 2^23
     uint32_t c[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const float a = fabsf(__fmul_rn(v[j], g));
-        const uint32_t f0 = __float_as_uint(__fmaf_rn(a, 2.0f, k));
-        const uint32_t f1 = __float_as_uint(__fadd_rn(a, k + 2.0f));
-        const uint32_t f2 = __float_as_uint(__fmaf_rn(a, 0.5f, k + 4.0f));
-        c[j] = min(min(f0, f1), f2);
-    }
+    for (int j = 0; j < 8; ++j) c[j] = e2m1_magnitude_biased(v[j], g);
     const uint32_t even = prmt(prmt(c[0], c[2], 0x0040u), prmt(c[4], c[6], 0x0040u), 0x5410u);
     const uint32_t odd = prmt(prmt(c[1], c[3], 0x0040u), prmt(c[5], c[7], 0x0040u), 0x5410u);
     return even + (odd << 4);

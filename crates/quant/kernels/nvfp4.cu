@@ -454,21 +454,24 @@ __device__ __forceinline__ void col_signs(const uint32_t* c, uint32_t& lo, uint3
     hi = sign_nibbles(prmt(s02, s46, 0x7632u), prmt(s13, s57, 0x7632u));
 }
 
-// 8 values times g to their E2M1 magnitudes (element j in bits 4j .. 4j+2) when every
-// |v g| < 7 and none is NaN: e2m1_biased without its saturation term (the a/2 + 4 line
-// stays at or below 7 there), the minimum taken on the float bits as unsigned integers
-// (they order alike: all in [2^23, 2^24)), one 3-input min each.
-__device__ __forceinline__ uint32_t e2m1x8_magnitudes(const float* v, float g) {
+// v times g to its E2M1 magnitude when |v g| < 7 and it is not NaN, as e2m1_biased
+// leaves it (2^23's bits plus the code): e2m1_biased without its saturation term (the
+// a/2 + 4 line stays at or below 7 there), the minimum taken on the float bits as
+// unsigned integers (they order alike: all in [2^23, 2^24)), one 3-input min.
+// e2m1x8_magnitudes: 8 of them, element j in bits 4j .. 4j+2, the bias taken off once.
+__device__ __forceinline__ uint32_t e2m1_magnitude_biased(float v, float g) {
     const float k = 8388608.0f;  // 2^23
+    const float a = fabsf(__fmul_rn(v, g));
+    const uint32_t f0 = __float_as_uint(__fmaf_rn(a, 2.0f, k));
+    const uint32_t f1 = __float_as_uint(__fadd_rn(a, k + 2.0f));
+    const uint32_t f2 = __float_as_uint(__fmaf_rn(a, 0.5f, k + 4.0f));
+    return min(min(f0, f1), f2);
+}
+
+__device__ __forceinline__ uint32_t e2m1x8_magnitudes(const float* v, float g) {
     uint32_t w = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const float a = fabsf(__fmul_rn(v[j], g));
-        const uint32_t f0 = __float_as_uint(__fmaf_rn(a, 2.0f, k));
-        const uint32_t f1 = __float_as_uint(__fadd_rn(a, k + 2.0f));
-        const uint32_t f2 = __float_as_uint(__fmaf_rn(a, 0.5f, k + 4.0f));
-        w += min(min(f0, f1), f2) << (4 * j);
-    }
+    for (int j = 0; j < 8; ++j) w += e2m1_magnitude_biased(v[j], g) << (4 * j);
     return w - 0x4B000000u * 0x11111111u;
 }
 
