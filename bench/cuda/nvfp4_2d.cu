@@ -6,7 +6,8 @@
 // kernel's), drop the scale flush, or drop one orientation's data; the library's two
 // steps for compact scales (block grid, then tessera_nvfp4_scales_2d) must hash as its
 // one step does; the 1-D kernels run alongside for reference. bf16 normal inputs (the
-// fast path everywhere).
+// fast path everywhere). N2_CROSSOVER=1 adds 8192x8192, 8192x4096 and 4096x8192 (where
+// two steps start to win).
 // Build on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
 //        bench/cuda/nvfp4_2d.cu -o n2 && ./n2
@@ -146,5 +147,11 @@ int main() {
     print_device();
     run_shape(16384, 8192);
     run_shape(4096, 4096);
+    // Where two steps start to win (the library's TWO_STEP_2D_MIN_VALUES).
+    if (std::getenv("N2_CROSSOVER") != nullptr) {
+        run_shape(8192, 8192);
+        run_shape(8192, 4096);
+        run_shape(4096, 8192);
+    }
     return 0;
 }
