@@ -124,7 +124,7 @@ static void run_shape(u64 M, u64 K) {
         for (int copies = 16; copies >= 1; copies /= 2) {
             b.clear();
             const float t2 = time_ms([&] { scales(copies); });
-            snprintf(label, sizeof label, "scales kernel alone, %d copies a CTA", copies);
+            snprintf(label, sizeof label, "scales kernel alone, %d copies a thread", copies);
             report_hashes(label, t2, 2.0 * (n / 16) + n / 256, b.copy_gbs, {{b.sr, n / 16}, {b.sc, n / 16}});
         }
     };

@@ -207,11 +207,14 @@ impl Amaxes {
 /// bytes of 128 rows of each grid, partial lines: while the output fits in L2 (50 MB on
 /// an H100 or H200) they merge there and cost little (4096x4096: 0.0023 ms of 0.0199 on
 /// an H200), beyond it they go to DRAM as partial lines and cost a quarter of the
-/// kernel (16384x8192: 0.048 of 0.174 ms), where the second kernel costs 0.016. Two
-/// steps lost 4.0% at 4096x4096 and won 13.7% at 16384x8192 (H200, BENCHMARKS). The
-/// bound is the first square shape whose outputs (1 1/8 bytes a value, both
-/// orientations) exceed L2: 8192x8192 writes 75 MB, 4096x4096 19 MB. The crossover
-/// between the two measured shapes has not been measured.
+/// kernel (16384x8192: 0.048 of 0.174 ms), where the second kernel cost 0.016 in its
+/// first form (32x32 tiles of the block grid; two steps then lost 4.0% at 4096x4096 and
+/// won 13.7% at 16384x8192, H200, BENCHMARKS). The bound is the first square shape
+/// whose outputs (1 1/8 bytes a value, both orientations) exceed L2: 8192x8192 writes
+/// 75 MB, 4096x4096 19 MB. The present second kernel (a word a thread, whole lines) is
+/// twice as fast on an H100, where two steps also win below the bound (8192x4096: 0.0505
+/// against 0.0578 ms, kernels alone) and tie at 4096x4096; a lower bound waits for the
+/// same measurement on an H200.
 const TWO_STEP_2D_MIN_VALUES: usize = 1 << 26;
 
 /// Quantizes `x` into `out` (NVFP4, its usage's buffers).
@@ -382,8 +385,11 @@ pub(crate) fn quantize_into(
         unsafe { launch_params(&dev, &f, cfg, OP, order, &mut params) }?;
         if blk.is_some() {
             let g = dev.function(&NVFP4_PTX, "tessera_nvfp4_scales_2d")?;
-            // A thread per word of a grid row (4 blocks), writing `copies` of its 16
-            // copies: at least 2^18 threads where the grids allow (two waves of an H200).
+            // A thread per word of a block-grid row (4 blocks), writing `copies` of its
+            // 16 copies: at least 2^18 threads where the grids allow. From the bound up
+            // that is 8 or 16 copies, which on an H100 were the best of 1-16 or within 2%
+            // of it (16384x8192: 0.0066 ms with 16, 0.0224 with 1; 8192x8192: 0.0046 with
+            // 8, 0.0047 with 16).
             let words = (bm * bk.next_multiple_of(4)).max(bk * bm.next_multiple_of(4)) / 4;
             let groups = (1usize << 18)
                 .div_ceil(2 * words)
