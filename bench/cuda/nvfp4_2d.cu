@@ -103,10 +103,9 @@ static void run_shape(u64 M, u64 K) {
     uint8_t* blk;
     CK(cudaMalloc(&blk, n / 128 + M + K));  // BlockGrids, padding included
     // The scales kernel with `copies` of a grid row's 16 a thread; the library's choice:
-    // at least 2^18 threads where the grids allow.
+    // all 16.
     const u64 words = std::max(M / 16 * ((K / 16 + 3) / 4 * 4), K / 16 * ((M / 16 + 3) / 4 * 4)) / 4;
-    int lib_copies = 16;
-    while (lib_copies > 1 && 2 * words * (16 / lib_copies) < (1u << 18)) lib_copies /= 2;
+    const int lib_copies = 16;
     auto scales = [&](int copies) {
         const dim3 g2((unsigned)((words + 255) / 256), 2, 16 / copies);
         tessera_nvfp4_scales_2d<<<g2, 256>>>(blk, M, K, b.sr, b.sr_cols, b.sc, b.sc_cols, copies);

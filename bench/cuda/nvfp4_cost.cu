@@ -7,8 +7,8 @@
 // differ from the shipped kernel's differ on purpose. bf16 inputs that take the fast
 // path everywhere, compact and swizzled scales. NC_ORDER=1 runs the shipped kernel
 // between the flush variants instead (whether one leaves the next kernel faster);
-// NC_ENC=1 times only the encoder variants, three rounds, and the permute packing;
-// NC_TWO_STEP=1 times compact scales written through a per-tile scratch and a second
+// NC_ENC=1 times only the encoder variants and the former shifted-add packing, three
+// rounds; NC_TWO_STEP=1 times compact scales written through a per-tile scratch and a second
 // kernel, whose bytes must hash as the shipped kernel's.
 // Build on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
@@ -49,21 +49,18 @@ struct NoOp : BothParts {
     static __device__ __forceinline__ uint32_t row_magnitudes(const float* v, float g) { return no_op(v, g); }
 };
 
-// The shipped encoder's magnitudes packed by byte permutes instead of shifted adds: the
-// least line's float bits hold the code in their low byte, so 3 permutes gather 4 codes
-// into bytes and one shifted add interleaves the two halves' nibbles (7 operations for 8
-// values against 8 shifted adds and the bias). Same bytes as shipped.
-__device__ __forceinline__ uint32_t magnitudes_prmt(const float* v, float g) {
-    uint32_t c[8];
+// The encoder's magnitudes packed as before 2026-12-06 (session 37): each code shifted
+// into its nibble by a shifted add, the bias taken off once (8 operations for 8 values,
+// where the shipped byte permutes take 7). Same bytes as shipped.
+__device__ __forceinline__ uint32_t magnitudes_shifted(const float* v, float g) {
+    uint32_t w = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) c[j] = e2m1_magnitude_biased(v[j], g);
-    const uint32_t even = prmt(prmt(c[0], c[2], 0x0040u), prmt(c[4], c[6], 0x0040u), 0x5410u);
-    const uint32_t odd = prmt(prmt(c[1], c[3], 0x0040u), prmt(c[5], c[7], 0x0040u), 0x5410u);
-    return even + (odd << 4);
+    for (int j = 0; j < 8; ++j) w += e2m1_magnitude_biased(v[j], g) << (4 * j);
+    return w - 0x4B000000u * 0x11111111u;
 }
-struct PrmtPack : BothParts {
-    static __device__ __forceinline__ uint32_t col_magnitudes(const float* v, float g) { return magnitudes_prmt(v, g); }
-    static __device__ __forceinline__ uint32_t row_magnitudes(const float* v, float g) { return magnitudes_prmt(v, g); }
+struct ShiftPack : BothParts {
+    static __device__ __forceinline__ uint32_t col_magnitudes(const float* v, float g) { return magnitudes_shifted(v, g); }
+    static __device__ __forceinline__ uint32_t row_magnitudes(const float* v, float g) { return magnitudes_shifted(v, g); }
 };
 
 // Scale flushes (compact scales only; swizzled ones keep the shipped flush).
@@ -251,7 +248,7 @@ static void run_shape(u64 M, u64 K) {
             // Whether the instruction count moves this card's time: the encoders only.
             for (int pass = 0; pass < 3; ++pass) {
                 run(tessera_nvfp4_both_bf16, "shipped");
-                run(cost_var<PrmtPack>, "magnitudes packed by permutes");
+                run(cost_var<ShiftPack>, "magnitudes by shifted adds (before)");
                 run(cost_var<BothOneOp>, "both one op a value");
                 run(cost_var<RowsOneOp>, "rows one op a value");
                 run(cost_var<NoOp>, "no op a value");

@@ -458,7 +458,7 @@ __device__ __forceinline__ void col_signs(const uint32_t* c, uint32_t& lo, uint3
 // leaves it (2^23's bits plus the code): e2m1_biased without its saturation term (the
 // a/2 + 4 line stays at or below 7 there), the minimum taken on the float bits as
 // unsigned integers (they order alike: all in [2^23, 2^24)), one 3-input min.
-// e2m1x8_magnitudes: 8 of them, element j in bits 4j .. 4j+2, the bias taken off once.
+// e2m1x8_magnitudes: 8 of them, element j in bits 4j .. 4j+2.
 __device__ __forceinline__ uint32_t e2m1_magnitude_biased(float v, float g) {
     const float k = 8388608.0f;  // 2^23
     const float a = fabsf(__fmul_rn(v, g));
@@ -469,10 +469,16 @@ __device__ __forceinline__ uint32_t e2m1_magnitude_biased(float v, float g) {
 }
 
 __device__ __forceinline__ uint32_t e2m1x8_magnitudes(const float* v, float g) {
-    uint32_t w = 0;
+    uint32_t c[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) w += e2m1_magnitude_biased(v[j], g) << (4 * j);
-    return w - 0x4B000000u * 0x11111111u;
+    for (int j = 0; j < 8; ++j) c[j] = e2m1_magnitude_biased(v[j], g);
+    // The codes are the low bytes of c: 3 byte permutes gather the even elements' into a
+    // word, 3 the odd ones', and one shifted add interleaves them as nibbles (7
+    // operations, where shifted adds into one word and the bias took 8; an H100's both
+    // kernel 0.3-0.6% faster, bench/cuda/nvfp4_cost.cu).
+    const uint32_t even = prmt(prmt(c[0], c[2], 0x0040u), prmt(c[4], c[6], 0x0040u), 0x5410u);
+    const uint32_t odd = prmt(prmt(c[1], c[3], 0x0040u), prmt(c[5], c[7], 0x0040u), 0x5410u);
+    return even + (odd << 4);
 }
 
 // Per block-scale byte e: the encode scale g = block_encode_scale(e, s_dec), and lim, the

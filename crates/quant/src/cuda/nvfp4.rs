@@ -204,18 +204,16 @@ impl Amaxes {
 
 /// The fewest values of a 2-D NVFP4 tensor whose compact scale grids take two steps
 /// (block grid, then `tessera_nvfp4_scales_2d`). In one step the tile kernel stores 8
-/// bytes of 128 rows of each grid, partial lines: while the output fits in L2 (50 MB on
-/// an H100 or H200) they merge there and cost little (4096x4096: 0.0023 ms of 0.0199 on
-/// an H200), beyond it they go to DRAM as partial lines and cost a quarter of the
-/// kernel (16384x8192: 0.048 of 0.174 ms), where the second kernel cost 0.016 in its
-/// first form (32x32 tiles of the block grid; two steps then lost 4.0% at 4096x4096 and
-/// won 13.7% at 16384x8192, H200, BENCHMARKS). The bound is the first square shape
-/// whose outputs (1 1/8 bytes a value, both orientations) exceed L2: 8192x8192 writes
-/// 75 MB, 4096x4096 19 MB. The present second kernel (a word a thread, whole lines) is
-/// twice as fast on an H100, where two steps also win below the bound (8192x4096: 0.0505
-/// against 0.0578 ms, kernels alone) and tie at 4096x4096; a lower bound waits for the
-/// same measurement on an H200.
-const TWO_STEP_2D_MIN_VALUES: usize = 1 << 26;
+/// bytes of 128 rows of each grid, partial lines, which cost the kernel a fifth of its
+/// time on an H100 even while its outputs fit in L2 (8192x4096, 38 MB: 0.0578 ms against
+/// 0.0452 without the scale bytes) and a quarter beyond it (16384x8192 on an H200: 0.048
+/// of 0.174 ms). The second kernel writes whole lines (0.0069 ms at 16384x8192, 0.87 of a
+/// copy, on an H100); two steps won 12-15% on an H100 at 2^25 values (8192x4096 0.0509
+/// against 0.0579 ms, 4096x8192 0.0487 against 0.0568), 17-19% above, and lost 0.8-1%
+/// at 4096x4096 (2^24), where the second launch costs about what the flush does (on an
+/// H200 the flush there cost only 0.0023 of 0.0199 ms). The H200's crossover has not been
+/// measured with this second kernel (BENCHMARKS, sessions 36 and 37).
+const TWO_STEP_2D_MIN_VALUES: usize = 1 << 25;
 
 /// Quantizes `x` into `out` (NVFP4, its usage's buffers).
 #[allow(clippy::too_many_arguments)]
@@ -385,17 +383,12 @@ pub(crate) fn quantize_into(
         unsafe { launch_params(&dev, &f, cfg, OP, order, &mut params) }?;
         if blk.is_some() {
             let g = dev.function(&NVFP4_PTX, "tessera_nvfp4_scales_2d")?;
-            // A thread per word of a block-grid row (4 blocks), writing `copies` of its
-            // 16 copies: at least 2^18 threads where the grids allow. From the bound up
-            // that is 8 or 16 copies, which on an H100 were the best of 1-16 or within 2%
-            // of it (16384x8192: 0.0066 ms with 16, 0.0224 with 1; 8192x8192: 0.0046 with
-            // 8, 0.0047 with 16).
+            // A thread per word of a block-grid row (4 blocks), storing all 16 copies of
+            // it: on an H100 16 copies a thread were the best of 1-16 or within 2% of it
+            // at every shape from 4096x4096 to 16384x8192 (0.0030 against 0.0038 ms for 2
+            // at 4096x4096, 0.0066 against 0.0224 for 1 at 16384x8192).
             let words = (bm * bk.next_multiple_of(4)).max(bk * bm.next_multiple_of(4)) / 4;
-            let groups = (1usize << 18)
-                .div_ceil(2 * words)
-                .next_power_of_two()
-                .min(16);
-            let copies = (16 / groups) as i32;
+            let (copies, groups) = (16i32, 1u32);
             let ctas = words.div_ceil(256);
             if ctas > i32::MAX as usize {
                 return Err(Error::shape(
@@ -408,7 +401,7 @@ pub(crate) fn quantize_into(
                 ));
             }
             let cfg = LaunchConfig {
-                grid_dim: (ctas as u32, 2, groups as u32),
+                grid_dim: (ctas as u32, 2, groups),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
