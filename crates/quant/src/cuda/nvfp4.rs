@@ -257,10 +257,12 @@ pub(crate) fn quantize_into(
     // grid and its transpose (rows padded to 4 bytes), a second kernel the grids' whole
     // lines.
     let two_step = m * k >= TWO_STEP_2D_MIN_VALUES;
+    // The bytes of the block grid and of its transpose (kernels/nvfp4.cu, BlockGrids).
     let (bm, bk) = (m / 16, k / 16);
+    let grid_bytes = [bm * bk.next_multiple_of(4), bk * bm.next_multiple_of(4)];
     let blk = match tiles_2d && usage.columnwise() && !swizzled && two_step {
         true => {
-            let bytes = bm * bk.next_multiple_of(4) + bk * bm.next_multiple_of(4);
+            let bytes = grid_bytes[0] + grid_bytes[1];
             Some(Tensor::empty([bytes], DType::U8, x.device())?)
         }
         false => None,
@@ -387,8 +389,8 @@ pub(crate) fn quantize_into(
             // it: on an H100 16 copies a thread were the best of 1-16 or within 2% of it
             // at every shape from 4096x4096 to 16384x8192 (0.0030 against 0.0038 ms for 2
             // at 4096x4096, 0.0066 against 0.0224 for 1 at 16384x8192).
-            let words = (bm * bk.next_multiple_of(4)).max(bk * bm.next_multiple_of(4)) / 4;
-            let (copies, groups) = (16i32, 1u32);
+            let words = grid_bytes[0].max(grid_bytes[1]) / 4;
+            let copies = 16i32;
             let ctas = words.div_ceil(256);
             if ctas > i32::MAX as usize {
                 return Err(Error::shape(
@@ -401,7 +403,7 @@ pub(crate) fn quantize_into(
                 ));
             }
             let cfg = LaunchConfig {
-                grid_dim: (ctas as u32, 2, groups),
+                grid_dim: (ctas as u32, 2, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -413,9 +415,9 @@ pub(crate) fn quantize_into(
             // u64 s_col_cols, int copies): blk the block grids the kernel before filled
             // (bm x bk padded to 4, then bk x bm padded to 4, as allocated above), the
             // compact scale grids as above (rows of s_*_cols bytes, multiples of 4; s_row
-            // null without rowwise data), copies * groups = 16, a thread for each word of
-            // the larger grid's block rows; the kernel calls pdl_first() before any memory
-            // access.
+            // null without rowwise data), copies = 16 with one grid slice in z (which
+            // stores every copy), a thread for each word of the larger block grid; the
+            // kernel calls pdl_first() before any memory access.
             unsafe { launch_params(&dev, &g, cfg, OP, Order::WaitFirst, &mut p) }?;
         }
         Ok(())
