@@ -1,7 +1,8 @@
 //! `cargo xtask`: the project's automation.
 //!
 //! - `ptx`: compile every `crates/*/kernels/*.cu` with nvcc into the committed
-//!   `kernels/ptx/*.ptx`, each headed by its source's hash.
+//!   `kernels/ptx/*.ptx`, each headed by its source's hash, and each PTX file with
+//!   ptxas into its sm_90 cubin (`*.sm_90.cubin`, with the PTX's hash beside it).
 //! - `test-gpu`: run the GPU tests (the `#[ignore]`d ones), or with `--bundle DIR` build
 //!   them into a directory that runs on a GPU machine without cargo.
 //! - `bench-gpu`: run the GPU benchmarks (table + JSON), or bundle them likewise.
@@ -28,13 +29,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Compile crates/*/kernels/*.cu to committed PTX (needs nvcc: $NVCC, PATH,
-    /// $CUDA_HOME/bin or /usr/local/cuda/bin).
+    /// Compile crates/*/kernels/*.cu to committed PTX and sm_90 cubins (needs nvcc:
+    /// $NVCC, PATH, $CUDA_HOME/bin or /usr/local/cuda/bin; ptxas beside it).
     Ptx {
         /// Also print ptxas's resource report (registers, spills) for sm_90.
         #[arg(long)]
         resources: bool,
-        /// Write the PTX under this directory (mirroring crates/) instead of in place.
+        /// Write the PTX and cubins under this directory (mirroring crates/) instead of
+        /// in place.
         #[arg(long)]
         out: Option<PathBuf>,
     },

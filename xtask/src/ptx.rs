@@ -20,6 +20,10 @@ fn arch_flag() -> String {
 
 pub(crate) fn run(root: &Path, resources: bool, out: Option<&Path>) -> Result<()> {
     let nvcc = find_nvcc()?;
+    let ptxas = nvcc.with_file_name("ptxas");
+    if !ptxas.is_file() {
+        bail!("ptxas not found beside {}", nvcc.display());
+    }
     let sources = kernel_sources(root)?;
     if sources.is_empty() {
         bail!("no crates/*/kernels/*.cu files under {}", root.display());
@@ -48,8 +52,11 @@ pub(crate) fn run(root: &Path, resources: bool, out: Option<&Path>) -> Result<()
         let body = std::fs::read_to_string(&tmp)?;
         std::fs::remove_file(&tmp)?;
         let header = tessera_core::kernels::ptx_header(&source);
-        std::fs::write(&dest, format!("{header}\n{body}"))?;
+        let ptx = format!("{header}\n{body}");
+        std::fs::write(&dest, &ptx)?;
         println!("{} -> {}", rel.display(), dest.display());
+        let cubin = write_sass(&ptxas, &dest, &ptx)?;
+        println!("{} -> {}", dest.display(), cubin.display());
         if resources {
             let cubin = std::env::temp_dir().join(format!("tessera-{stem}.cubin"));
             let status = Command::new(&nvcc)
@@ -66,6 +73,31 @@ pub(crate) fn run(root: &Path, resources: bool, out: Option<&Path>) -> Result<()
         }
     }
     Ok(())
+}
+
+/// Compiles the PTX file `ptx_path` (whose text is `ptx`) with ptxas into
+/// `<stem>.sm_90.cubin` beside it, and records the PTX's SHA-256 in
+/// `<stem>.sm_90.cubin.sha256` (see `tessera_core::kernels::Sass`). Returns the cubin's
+/// path.
+fn write_sass(ptxas: &Path, ptx_path: &Path, ptx: &str) -> Result<PathBuf> {
+    use tessera_core::kernels::{SASS_INFIX, ptx_sha256};
+    let stem = ptx_path.file_stem().expect("a file name").to_string_lossy();
+    let cubin = ptx_path.with_file_name(format!("{stem}.{SASS_INFIX}.cubin"));
+    let tmp = cubin.with_extension("cubin.tmp");
+    let status = Command::new(ptxas)
+        .arg(arch_flag())
+        .arg(ptx_path)
+        .arg("-o")
+        .arg(&tmp)
+        .status()
+        .with_context(|| format!("running {}", ptxas.display()))?;
+    if !status.success() {
+        bail!("ptxas failed on {}", ptx_path.display());
+    }
+    std::fs::rename(&tmp, &cubin)?;
+    let sha = cubin.with_file_name(format!("{stem}.{SASS_INFIX}.cubin.sha256"));
+    std::fs::write(sha, format!("{}\n", ptx_sha256(ptx)))?;
+    Ok(cubin)
 }
 
 /// The text a PTX file's hash covers: the `.cu` file followed by every `.cuh` header of

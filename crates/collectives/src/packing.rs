@@ -72,7 +72,7 @@ mod cuda {
     use cudarc::driver::sys::{self, CUmemorytype};
     use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
     use tessera_core::cuda::{CudaDevice, CudaResultExt, grid_1d};
-    use tessera_core::kernels::PtxModule;
+    use tessera_core::kernels::{PtxModule, Sass};
     use tessera_core::{Device, Result, Tensor};
     use tessera_quant::wire::{CopyPlan, CopyStep, PlanInput, SwizzleStep};
 
@@ -80,6 +80,10 @@ mod cuda {
     const PTX: PtxModule = PtxModule {
         name: "tessera_collectives_wire",
         ptx: include_str!("../kernels/ptx/wire.ptx"),
+        sass: Some(Sass {
+            cubin: include_bytes!("../kernels/ptx/wire.sm_90.cubin"),
+            ptx_sha256: include_str!("../kernels/ptx/wire.sm_90.cubin.sha256"),
+        }),
     };
 
     /// Threads per block (the kernel's `__launch_bounds__`).
@@ -245,5 +249,19 @@ mod cuda {
         // contract).
         unsafe { b.launch(cfg) }.cuda_op("cuLaunchKernel")?;
         Ok(())
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use tessera_core::kernels::check_sass_fresh;
+
+        use super::PTX;
+
+        /// The embedded cubin was compiled from the PTX embedded beside it.
+        #[test]
+        fn embedded_sass_is_fresh() {
+            let sass = PTX.sass.expect("the cubin is embedded");
+            check_sass_fresh(PTX.name, PTX.ptx, &sass).unwrap();
+        }
     }
 }

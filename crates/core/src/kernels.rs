@@ -14,6 +14,13 @@
 //! nvcc. Each kernel crate has a CPU test calling [`check_ptx_fresh`], which fails when
 //! a `.cu` file changed and its PTX was not regenerated, or the PTX is for another
 //! architecture than [`PTX_TARGET`].
+//!
+//! Beside each PTX file the same command writes its machine code for [`PTX_TARGET`]
+//! (`<name>.sm_90.cubin`, ptxas run on the PTX file) and the SHA-256 of the PTX it came
+//! from (`<name>.sm_90.cubin.sha256`); both are committed and embedded too
+//! ([`PtxModule::sass`]). A device of exactly that capability loads the cubin, so no
+//! process pays the driver's PTX compilation; any newer one compiles the PTX. The
+//! freshness tests also call [`check_sass_fresh`].
 
 use sha2::{Digest, Sha256};
 
@@ -27,13 +34,75 @@ pub const SOURCE_HASH_PREFIX: &str = "// tessera-source-sha256: ";
 pub const PTX_TARGET: (u32, u32) = (9, 0);
 
 /// A PTX module embedded in a crate: a unique name (the key of the per-device module
-/// cache) and its text.
+/// cache), its text, and the machine code `cargo xtask ptx` compiled from that text for
+/// [`PTX_TARGET`].
 #[derive(Debug, Clone, Copy)]
 pub struct PtxModule {
     /// A name unique across the workspace, e.g. `"tessera_rng"`.
     pub name: &'static str,
     /// The PTX text, as written by `cargo xtask ptx`.
     pub ptx: &'static str,
+    /// The module's machine code for devices of compute capability [`PTX_TARGET`], which
+    /// load it instead of having the driver compile the PTX (seconds for the larger
+    /// modules the first time a process loads them without a warm compute cache). `None`
+    /// loads the PTX everywhere.
+    pub sass: Option<Sass>,
+}
+
+/// A module's machine code: the cubin `cargo xtask ptx` writes beside its PTX
+/// (`kernels/ptx/<name>.sm_90.cubin`, compiled by ptxas from that PTX file for
+/// [`PTX_TARGET`]), and the SHA-256 of the PTX text it was compiled from
+/// (`<name>.sm_90.cubin.sha256`), which [`check_sass_fresh`] compares with the PTX.
+#[derive(Debug, Clone, Copy)]
+pub struct Sass {
+    /// The cubin (an ELF image the driver loads as it is).
+    pub cubin: &'static [u8],
+    /// The hex SHA-256 of the PTX text the cubin was compiled from (trailing whitespace
+    /// ignored).
+    pub ptx_sha256: &'static str,
+}
+
+/// The file-name infix of the cubins `cargo xtask ptx` writes: `<name>.sm_90.cubin`.
+pub const SASS_INFIX: &str = "sm_90";
+
+/// The hex SHA-256 of a PTX text, as a cubin's `.sha256` file records it.
+pub fn ptx_sha256(ptx: &str) -> String {
+    source_hash(ptx)
+}
+
+/// Checks that `sass` is a CUDA cubin (a 64-bit little-endian ELF image for machine
+/// `EM_CUDA`) compiled from exactly `ptx` (see [`Sass::ptx_sha256`]).
+///
+/// Returns [`Error::StaleKernel`] naming the module when the image is not a cubin or the
+/// recorded hash differs, with the command that fixes it.
+pub fn check_sass_fresh(name: &str, ptx: &str, sass: &Sass) -> Result<()> {
+    const EM_CUDA: u16 = 190;
+    let c = sass.cubin;
+    let is_cubin = c.len() >= 64
+        && c.starts_with(b"\x7fELF")
+        && c[4] == 2 // 64-bit
+        && c[5] == 1 // little-endian
+        && u16::from_le_bytes([c[18], c[19]]) == EM_CUDA;
+    if !is_cubin {
+        return Err(Error::StaleKernel {
+            name: name.to_owned(),
+            msg: "the embedded cubin is not a 64-bit CUDA ELF image; regenerate it with \
+                  `cargo xtask ptx`"
+                .to_owned(),
+        });
+    }
+    let expected = ptx_sha256(ptx);
+    let recorded = sass.ptx_sha256.trim();
+    if recorded == expected {
+        return Ok(());
+    }
+    Err(Error::StaleKernel {
+        name: name.to_owned(),
+        msg: format!(
+            "the cubin was compiled from PTX with hash {recorded}, the PTX now hashes to \
+             {expected}; run `cargo xtask ptx` where nvcc and ptxas exist and commit both"
+        ),
+    })
 }
 
 /// The hex SHA-256 of a kernel source, as recorded in its PTX.
@@ -143,6 +212,34 @@ pub fn check_device_runs(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fresh_and_stale_sass() {
+        let ptx = format!("{}\n.version 9.0\n.target sm_90\n", ptx_header("k"));
+        let hash = ptx_sha256(&ptx);
+        // The header of a 64-bit little-endian ELF image for EM_CUDA (190).
+        let mut image = vec![0u8; 64];
+        image[..6].copy_from_slice(b"\x7fELF\x02\x01");
+        image[18..20].copy_from_slice(&190u16.to_le_bytes());
+        let image: &'static [u8] = Box::leak(image.into_boxed_slice());
+        let recorded: &'static str = Box::leak(format!("{hash}\n").into_boxed_str());
+        let sass = Sass {
+            cubin: image,
+            ptx_sha256: recorded,
+        };
+        check_sass_fresh("k", &ptx, &sass).unwrap();
+        let err = check_sass_fresh("k", &format!("{ptx}// edited\n"), &sass).unwrap_err();
+        assert!(matches!(err, Error::StaleKernel { .. }), "{err}");
+        assert!(err.to_string().contains(&hash), "{err}");
+        // Another machine's ELF, or no ELF at all, is not a cubin.
+        let mut x86 = image.to_vec();
+        x86[18..20].copy_from_slice(&62u16.to_le_bytes());
+        for cubin in [&x86[..], &image[..16]] {
+            let cubin: &'static [u8] = Box::leak(cubin.to_vec().into_boxed_slice());
+            let err = check_sass_fresh("k", &ptx, &Sass { cubin, ..sass }).unwrap_err();
+            assert!(err.to_string().contains("not a 64-bit CUDA ELF"), "{err}");
+        }
+    }
 
     #[test]
     fn fresh_and_stale_ptx() {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 use tessera_core::cuda::{CudaDevice, CudaResultExt, grid_1d, grid_1d_cover};
-use tessera_core::kernels::PtxModule;
+use tessera_core::kernels::{PtxModule, Sass};
 use tessera_core::{DType, Device, Error, Result, Tensor};
 
 use crate::GeneratorState;
@@ -16,6 +16,10 @@ use crate::stream::{dropout_scale, offset_increment};
 pub(crate) const PTX: PtxModule = PtxModule {
     name: "tessera_rng",
     ptx: include_str!("../kernels/ptx/rng.ptx"),
+    sass: Some(Sass {
+        cubin: include_bytes!("../kernels/ptx/rng.sm_90.cubin"),
+        ptx_sha256: include_str!("../kernels/ptx/rng.sm_90.cubin.sha256"),
+    }),
 };
 
 /// Threads per block of every fill kernel (their `__launch_bounds__`).
@@ -53,6 +57,12 @@ fn push_draw<'a>(b: &mut LaunchArgs<'a>, draw: &'a Draw<'a>) {
 
 /// Fills a CUDA tensor (dtype already checked by the caller) with `fill`.
 pub(crate) fn fill(draw: Draw<'_>, fill: Fill, t: &mut Tensor) -> Result<()> {
+    fill_from(&PTX, draw, fill, t)
+}
+
+/// [`fill`] with the kernels of `module` (this crate's PTX, or in the tests the same PTX
+/// without its cubin).
+fn fill_from(module: &PtxModule, draw: Draw<'_>, fill: Fill, t: &mut Tensor) -> Result<()> {
     let n = t.numel() as u64;
     if n == 0 {
         return Ok(());
@@ -63,7 +73,7 @@ pub(crate) fn fill(draw: Draw<'_>, fill: Fill, t: &mut Tensor) -> Result<()> {
         Fill::Uniform => "tessera_rng_uniform",
         Fill::Normal { .. } => "tessera_rng_normal",
     };
-    let f = dev.function(&PTX, &draw.kernel(base))?;
+    let f = dev.function(module, &draw.kernel(base))?;
     let cfg = grid_1d(&dev, n.div_ceil(4) as usize, BLOCK)?;
     let (mean, std) = match fill {
         Fill::Normal { mean, std } => (mean, std),
@@ -269,5 +279,61 @@ impl fmt::Debug for GraphSafeGenerator {
         f.debug_struct("GraphSafeGenerator")
             .field("device", &self.device())
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_core::cuda::ModuleCode;
+    use tessera_core::kernels::{PTX_TARGET, check_sass_fresh};
+
+    use super::*;
+
+    /// The embedded cubin was compiled from the PTX embedded beside it.
+    #[test]
+    fn embedded_sass_is_fresh() {
+        let sass = PTX.sass.expect("the cubin is embedded");
+        check_sass_fresh(PTX.name, PTX.ptx, &sass).unwrap();
+    }
+
+    /// A device of the cubin's capability loads the cubin, and its kernels draw the same
+    /// bits as the driver's compilation of the PTX (loaded under another name).
+    #[test]
+    #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+    fn the_cubin_and_the_ptx_draw_alike() {
+        const PTX_ONLY: PtxModule = PtxModule {
+            name: "tessera_rng_ptx_only",
+            ptx: PTX.ptx,
+            sass: None,
+        };
+        let dev = tessera_core::cuda::device(0).unwrap();
+        let state = GeneratorState {
+            seed: 0x5eed_1234_abcd,
+            offset: 40,
+        };
+        for (kind, dtype) in [
+            (Fill::U32, DType::U32),
+            (Fill::Uniform, DType::F32),
+            (
+                Fill::Normal {
+                    mean: 0.5,
+                    std: 2.0,
+                },
+                DType::F32,
+            ),
+        ] {
+            let mut a = Tensor::zeros([1000, 37], dtype, Device::Cuda(0)).unwrap();
+            let mut b = Tensor::zeros([1000, 37], dtype, Device::Cuda(0)).unwrap();
+            fill(Draw::At(state), kind, &mut a).unwrap();
+            fill_from(&PTX_ONLY, Draw::At(state), kind, &mut b).unwrap();
+            assert_eq!(a.to_bytes().unwrap(), b.to_bytes().unwrap(), "{kind:?}");
+        }
+        let (major, minor) = dev.compute_capability();
+        let expected = match (major as u32, minor as u32) == PTX_TARGET {
+            true => ModuleCode::Sass,
+            false => ModuleCode::Ptx,
+        };
+        assert_eq!(dev.loaded_code(&PTX), Some(expected));
+        assert_eq!(dev.loaded_code(&PTX_ONLY), Some(ModuleCode::Ptx));
     }
 }

@@ -14,13 +14,17 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::cublas::{CudaBlas, result as blas, sys as blas_sys};
 use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
 use tessera_core::cuda::{CudaDevice, CudaResultExt, grid_1d};
-use tessera_core::kernels::PtxModule;
+use tessera_core::kernels::{PtxModule, Sass};
 use tessera_core::{DType, Device, Error, Result, Shape, Tensor};
 
 /// The compiled kernels of `kernels/demo.cu`.
 pub(crate) const PTX: PtxModule = PtxModule {
     name: "tessera_demo",
     ptx: include_str!("../../kernels/ptx/demo.ptx"),
+    sass: Some(Sass {
+        cubin: include_bytes!("../../kernels/ptx/demo.sm_90.cubin"),
+        ptx_sha256: include_str!("../../kernels/ptx/demo.sm_90.cubin.sha256"),
+    }),
 };
 
 /// Threads per block of every kernel (their `__launch_bounds__`).
@@ -522,6 +526,13 @@ mod tests {
                 &b[i * e..(i + 1) * e]
             );
         }
+    }
+
+    /// The embedded cubin was compiled from the PTX embedded beside it.
+    #[test]
+    fn embedded_sass_is_fresh() {
+        let sass = PTX.sass.expect("the cubin is embedded");
+        tessera_core::kernels::check_sass_fresh(PTX.name, PTX.ptx, &sass).unwrap();
     }
 
     #[test]

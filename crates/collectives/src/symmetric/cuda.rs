@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use cudarc::driver::sys::{self, CUdeviceptr, CUresult};
 use cudarc::driver::{DevicePtrMut, DeviceRepr, PushKernelArg};
 use tessera_core::cuda::{CudaDevice, CudaResultExt, grid_1d};
-use tessera_core::kernels::PtxModule;
+use tessera_core::kernels::{PtxModule, Sass};
 use tessera_core::{DType, Device, Error, Result, Tensor};
 
 use super::host::{dtype_code, dtype_name};
@@ -29,6 +29,10 @@ const OP: &str = "SymmetricAllReduce";
 pub(super) const PTX: PtxModule = PtxModule {
     name: "tessera_collectives_symmetric",
     ptx: include_str!("../../kernels/ptx/symmetric.ptx"),
+    sass: Some(Sass {
+        cubin: include_bytes!("../../kernels/ptx/symmetric.sm_90.cubin"),
+        ptx_sha256: include_str!("../../kernels/ptx/symmetric.sm_90.cubin.sha256"),
+    }),
 };
 
 /// Threads per block (the kernels' `__launch_bounds__`).
@@ -831,6 +835,13 @@ mod tests {
     use tessera_rng::Generator;
 
     const GPU: Device = Device::Cuda(0);
+
+    /// The embedded cubin was compiled from the PTX embedded beside it.
+    #[test]
+    fn embedded_sass_is_fresh() {
+        let sass = PTX.sass.expect("the cubin is embedded");
+        tessera_core::kernels::check_sass_fresh(PTX.name, PTX.ptx, &sass).unwrap();
+    }
 
     fn require_gpu() -> Arc<CudaDevice> {
         assert!(

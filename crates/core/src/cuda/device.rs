@@ -63,11 +63,22 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
     Ok(d)
 }
 
-/// Loaded modules by name, and the functions already looked up in them.
+/// Loaded modules by name (with the code each was loaded from), and the functions
+/// already looked up in them.
 #[derive(Default)]
 struct Modules {
-    modules: HashMap<&'static str, Arc<CudaModule>>,
+    modules: HashMap<&'static str, (Arc<CudaModule>, ModuleCode)>,
     functions: HashMap<&'static str, HashMap<String, CudaFunction>>,
+}
+
+/// What a loaded [`PtxModule`] came from (see [`CudaDevice::loaded_code`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModuleCode {
+    /// Its cubin ([`PtxModule::sass`]): the device has the capability it was compiled
+    /// for, and the driver took it.
+    Sass,
+    /// Its PTX, compiled by the driver (or taken from the driver's compute cache).
+    Ptx,
 }
 
 /// One CUDA device as tessera uses it: its primary context, the tessera stream (see
@@ -173,28 +184,10 @@ impl CudaDevice {
             return Ok(f.clone());
         }
         let m = match cache.modules.get(module.name) {
-            Some(m) => m.clone(),
+            Some((m, _)) => m.clone(),
             None => {
-                // The driver would refuse PTX for a newer architecture with an error that
-                // does not say which; say it, with both capabilities.
-                if let Some(needs) = kernels::ptx_target(module.ptx) {
-                    let (major, minor) = self.compute_capability;
-                    let has = (major.max(0) as u32, minor.max(0) as u32);
-                    let device = format!("device {} ({})", self.ordinal, self.name);
-                    kernels::check_device_runs(module.name, &device, has, needs)?;
-                }
-                let m = self
-                    .ctx
-                    .load_module(cudarc::nvrtc::Ptx::from_src(module.ptx))
-                    .map_err(|e| Error::Cuda {
-                        op: "cuModuleLoadData",
-                        msg: format!(
-                            "loading PTX module `{}`: {e}{}",
-                            module.name,
-                            isa_hint(module.ptx, driver_cuda_version())
-                        ),
-                    })?;
-                cache.modules.insert(module.name, m.clone());
+                let (m, code) = self.load(module)?;
+                cache.modules.insert(module.name, (m.clone(), code));
                 m
             }
         };
@@ -208,6 +201,55 @@ impl CudaDevice {
             .or_default()
             .insert(function.to_owned(), f.clone());
         Ok(f)
+    }
+
+    /// What `module` was loaded from on this device, or `None` before its first
+    /// [`function`](Self::function) call.
+    pub fn loaded_code(&self, module: &PtxModule) -> Option<ModuleCode> {
+        let cache = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        cache.modules.get(module.name).map(|(_, code)| *code)
+    }
+
+    /// The device's compute capability as unsigned numbers.
+    fn capability(&self) -> (u32, u32) {
+        let (major, minor) = self.compute_capability;
+        (major.max(0) as u32, minor.max(0) as u32)
+    }
+
+    /// Loads `module`: its cubin where this device has the capability the cubin was
+    /// compiled for and the driver takes it, else its PTX.
+    fn load(&self, module: &PtxModule) -> Result<(Arc<CudaModule>, ModuleCode)> {
+        // The driver would refuse PTX for a newer architecture with an error that does
+        // not say which; say it, with both capabilities.
+        if let Some(needs) = kernels::ptx_target(module.ptx) {
+            let device = format!("device {} ({})", self.ordinal, self.name);
+            kernels::check_device_runs(module.name, &device, self.capability(), needs)?;
+        }
+        if let Some(sass) = module.sass
+            && self.capability() == kernels::PTX_TARGET
+        {
+            // A driver older than the ptxas that wrote the cubin refuses it; the PTX is
+            // the same code, so it is the fallback (whose own error, if any, says what
+            // the driver lacks).
+            if let Ok(m) = self
+                .ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(sass.cubin.to_vec()))
+            {
+                return Ok((m, ModuleCode::Sass));
+            }
+        }
+        let m = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(module.ptx))
+            .map_err(|e| Error::Cuda {
+                op: "cuModuleLoadData",
+                msg: format!(
+                    "loading PTX module `{}`: {e}{}",
+                    module.name,
+                    isa_hint(module.ptx, driver_cuda_version())
+                ),
+            })?;
+        Ok((m, ModuleCode::Ptx))
     }
 
     /// Waits for all work queued on the tessera stream.

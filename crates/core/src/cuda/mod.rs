@@ -28,7 +28,7 @@ mod launch;
 mod timer;
 
 pub use cudarc;
-pub use device::{CudaDevice, device, device_count, is_available};
+pub use device::{CudaDevice, ModuleCode, device, device_count, is_available};
 pub use graph::Graph;
 pub use launch::{LaunchConfig, grid_1d, grid_1d_cover};
 pub use timer::EventTimer;

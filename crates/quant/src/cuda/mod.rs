@@ -50,7 +50,7 @@ pub(crate) use grid::{
 };
 pub(crate) use launch::{Order, Params, launch_params};
 
-use tessera_core::kernels::PtxModule;
+use tessera_core::kernels::{PtxModule, Sass};
 use tessera_core::{DType, Error, Result};
 
 use crate::Fp8Format;
@@ -59,24 +59,40 @@ use crate::Fp8Format;
 pub(crate) const FP8_PTX: PtxModule = PtxModule {
     name: "tessera_quant_fp8",
     ptx: include_str!("../../kernels/ptx/fp8.ptx"),
+    sass: Some(Sass {
+        cubin: include_bytes!("../../kernels/ptx/fp8.sm_90.cubin"),
+        ptx_sha256: include_str!("../../kernels/ptx/fp8.sm_90.cubin.sha256"),
+    }),
 };
 
 /// The compiled kernels of `kernels/mxfp8.cu`.
 pub(crate) const MXFP8_PTX: PtxModule = PtxModule {
     name: "tessera_quant_mxfp8",
     ptx: include_str!("../../kernels/ptx/mxfp8.ptx"),
+    sass: Some(Sass {
+        cubin: include_bytes!("../../kernels/ptx/mxfp8.sm_90.cubin"),
+        ptx_sha256: include_str!("../../kernels/ptx/mxfp8.sm_90.cubin.sha256"),
+    }),
 };
 
 /// The compiled kernels of `kernels/block.cu`.
 pub(crate) const BLOCK_PTX: PtxModule = PtxModule {
     name: "tessera_quant_block",
     ptx: include_str!("../../kernels/ptx/block.ptx"),
+    sass: Some(Sass {
+        cubin: include_bytes!("../../kernels/ptx/block.sm_90.cubin"),
+        ptx_sha256: include_str!("../../kernels/ptx/block.sm_90.cubin.sha256"),
+    }),
 };
 
 /// The compiled kernels of `kernels/nvfp4.cu`.
 pub(crate) const NVFP4_PTX: PtxModule = PtxModule {
     name: "tessera_quant_nvfp4",
     ptx: include_str!("../../kernels/ptx/nvfp4.ptx"),
+    sass: Some(Sass {
+        cubin: include_bytes!("../../kernels/ptx/nvfp4.sm_90.cubin"),
+        ptx_sha256: include_str!("../../kernels/ptx/nvfp4.sm_90.cubin.sha256"),
+    }),
 };
 
 /// Threads per block of every kernel here (their `__launch_bounds__`).
@@ -101,4 +117,20 @@ pub(crate) fn format_suffix(f: Fp8Format) -> &'static str {
 /// `common.cuh`): 8 of bf16 or f16, 4 of f32.
 pub(crate) fn dequant_vals(dtype: DType) -> usize {
     16 / dtype.size_in_bytes()
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_core::kernels::check_sass_fresh;
+
+    use super::*;
+
+    /// Each embedded cubin was compiled from the PTX embedded beside it.
+    #[test]
+    fn embedded_sass_is_fresh() {
+        for m in [FP8_PTX, MXFP8_PTX, BLOCK_PTX, NVFP4_PTX] {
+            let sass = m.sass.expect("the cubin is embedded");
+            check_sass_fresh(m.name, m.ptx, &sass).unwrap();
+        }
+    }
 }
