@@ -7,8 +7,8 @@
 // differ from the shipped kernel's differ on purpose. bf16 inputs that take the fast
 // path everywhere, compact and swizzled scales. NC_ORDER=1 runs the shipped kernel
 // between the flush variants instead (whether one leaves the next kernel faster);
-// NC_ENC=1 times only the encoder variants and the former shifted-add packing, three
-// rounds; NC_TWO_STEP=1 times compact scales written through a per-tile scratch and a
+// NC_ENC=1 times only the encoder variants (the fused lines and per-tensor tables among
+// them) and the former shifted-add packing, three rounds; NC_TWO_STEP=1 times compact scales written through a per-tile scratch and a
 // second kernel, whose bytes must hash as the shipped kernel's.
 // Build on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
@@ -61,6 +61,57 @@ __device__ __forceinline__ uint32_t magnitudes_shifted(const float* v, float g) 
 struct ShiftPack : BothParts {
     static __device__ __forceinline__ uint32_t col_magnitudes(const float* v, float g) { return magnitudes_shifted(v, g); }
     static __device__ __forceinline__ uint32_t row_magnitudes(const float* v, float g) { return magnitudes_shifted(v, g); }
+};
+
+// The encoder's lines fused with the product: min(rne(2|v|g), rne(|v|g + 2), rne(|v|g/2
+// + 4)) from three fused multiply-adds of |v| by 2g, g and g/2, without the rounded
+// product fl(v g) between (96 fewer instructions a lane: 128 multiplies less, 32 for 2g
+// and g/2 more). Not exact: it differs from the shipped encoder where fl(v g) is one of
+// the thresholds (0.25, 0.75, .., 5) and v g is not, and that is common (at the
+// harness's global amax 68 of the 126 table entries have such a bf16 value;
+// bench/cuda/e2m1_fused_check.cpp), so its hashes differ. Timed to see what 96
+// instructions buy; it spills 12 more bytes than the shipped kernel, in the fast path.
+__device__ __forceinline__ uint32_t magnitudes_fused(const float* v, float g) {
+    const float k = 8388608.0f;  // 2^23
+    const float g2 = 2.0f * g, gh = 0.5f * g;
+    uint32_t c[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float a = fabsf(v[j]);
+        const uint32_t f0 = __float_as_uint(__fmaf_rn(a, g2, k));
+        const uint32_t f1 = __float_as_uint(__fmaf_rn(a, g, k + 2.0f));
+        const uint32_t f2 = __float_as_uint(__fmaf_rn(a, gh, k + 4.0f));
+        c[j] = min(min(f0, f1), f2);
+    }
+    const uint32_t even = prmt(prmt(c[0], c[2], 0x0040u), prmt(c[4], c[6], 0x0040u), 0x5410u);
+    const uint32_t odd = prmt(prmt(c[1], c[3], 0x0040u), prmt(c[5], c[7], 0x0040u), 0x5410u);
+    return even + (odd << 4);
+}
+struct Fused : BothParts {
+    static __device__ __forceinline__ uint32_t col_magnitudes(const float* v, float g) { return magnitudes_fused(v, g); }
+    static __device__ __forceinline__ uint32_t row_magnitudes(const float* v, float g) { return magnitudes_fused(v, g); }
+};
+
+// The encode-scale tables computed once per tensor (by fill_tables, before the timing)
+// and copied into shared memory: what the CTA's own fill costs (about 70 instructions a
+// thread, the global encode scale's division among them), against a load from L2.
+__device__ float2 g_tab[2][128];
+__device__ float g_se[2];
+__global__ void fill_tables(const Nvfp4Args a) {
+    __shared__ BothShared sh;
+    both_tables(sh, a);
+    __syncthreads();
+    g_tab[threadIdx.x >> 7][threadIdx.x & 127] = sh.tab[threadIdx.x >> 7][threadIdx.x & 127];
+    if (threadIdx.x < 2) g_se[threadIdx.x] = sh.se[threadIdx.x];
+}
+struct GlobalTables : BothParts {
+    static __device__ __forceinline__ void tables(BothShared& sh, const Nvfp4Args&) {
+        sh.tab[threadIdx.x >> 7][threadIdx.x & 127] = g_tab[threadIdx.x >> 7][threadIdx.x & 127];
+        if (threadIdx.x < 2) sh.se[threadIdx.x] = g_se[threadIdx.x];
+    }
+};
+struct FusedGlobalTables : Fused {
+    static __device__ __forceinline__ void tables(BothShared& sh, const Nvfp4Args& a) { GlobalTables::tables(sh, a); }
 };
 
 // Scale flushes (compact scales only; swizzled ones keep the shipped flush).
@@ -208,6 +259,8 @@ static void run_shape(u64 M, u64 K) {
     for (int swz = 0; swz < 2; ++swz) {
         Nvfp4Args a = b.args(b.amax, true);
         a.swizzled = swz;
+        fill_tables<<<1, 256>>>(a);
+        CK(cudaGetLastError());
         auto run = [&](auto kernel, const char* label) {
             b.clear();
             const float t = time_ms([&] { kernel<<<grid, 256>>>(b.x, a); });
@@ -249,6 +302,9 @@ static void run_shape(u64 M, u64 K) {
             for (int pass = 0; pass < 3; ++pass) {
                 run(tessera_nvfp4_both_bf16, "shipped");
                 run(cost_var<ShiftPack>, "magnitudes by shifted adds (before)");
+                run(cost_var<Fused>, "lines fused with the product");
+                run(cost_var<GlobalTables>, "tables from global");
+                run(cost_var<FusedGlobalTables>, "fused, tables from global");
                 run(cost_var<BothOneOp>, "both one op a value");
                 run(cost_var<RowsOneOp>, "rows one op a value");
                 run(cost_var<NoOp>, "no op a value");

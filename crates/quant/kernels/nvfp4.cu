@@ -559,11 +559,12 @@ __device__ __forceinline__ void both_tables(BothShared& sh, const Nvfp4Args& a) 
 
 // The parts of the round-to-nearest both kernel that bench/cuda/nvfp4_cost.cu replaces
 // (in a type derived from this one) to measure what each costs: what a CTA does before
-// its loads, the fast path's encoders of 8 values times g to E2M1 magnitudes,
-// columnwise and rowwise, and the flush of the staged scale bytes. The library
-// instantiates only these.
+// its loads, the fill of the encode-scale tables, the fast path's encoders of 8 values
+// times g to E2M1 magnitudes, columnwise and rowwise, and the flush of the staged scale
+// bytes. The library instantiates only these.
 struct BothParts {
     static __device__ __forceinline__ void start(const Nvfp4Args&, u64, u64) {}
+    static __device__ __forceinline__ void tables(BothShared& sh, const Nvfp4Args& a) { both_tables(sh, a); }
     static __device__ __forceinline__ uint32_t col_magnitudes(const float* v, float g) { return e2m1x8_magnitudes(v, g); }
     static __device__ __forceinline__ uint32_t row_magnitudes(const float* v, float g) { return e2m1x8_magnitudes(v, g); }
     static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
@@ -1112,7 +1113,7 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a, cons
             });
     } else {
         __shared__ BothShared sh;
-        both_tables(sh, a);
+        Parts::tables(sh, a);
         if constexpr (Tiles::two_d) tiles.template tile<T>(d, l, R0, C0, valid, a, sh);
         else if constexpr (Rht || Sr) both_tile_rs<T, Rht, Sr>(d, l, R0, C0, valid, a, sh);
         else both_tile<T, Parts>(d, l, R0, C0, valid, a, sh);
