@@ -253,15 +253,12 @@ mod cuda {
 
     #[cfg(test)]
     mod tests {
-        use tessera_core::kernels::check_sass_fresh;
-
         use super::PTX;
 
         /// The embedded cubin was compiled from the PTX embedded beside it.
         #[test]
         fn embedded_sass_is_fresh() {
-            let sass = PTX.sass.expect("the cubin is embedded");
-            check_sass_fresh(PTX.name, PTX.ptx, &sass).unwrap();
+            PTX.check_sass_fresh().unwrap();
         }
     }
 }

@@ -20,7 +20,7 @@
 //! from (`<name>.sm_90.cubin.sha256`); both are committed and embedded too
 //! ([`PtxModule::sass`]). A device of exactly that capability loads the cubin, so no
 //! process pays the driver's PTX compilation; any newer one compiles the PTX. The
-//! freshness tests also call [`check_sass_fresh`].
+//! freshness tests also call [`PtxModule::check_sass_fresh`].
 
 use sha2::{Digest, Sha256};
 
@@ -47,6 +47,23 @@ pub struct PtxModule {
     /// modules the first time a process loads them without a warm compute cache). `None`
     /// loads the PTX everywhere.
     pub sass: Option<Sass>,
+}
+
+impl PtxModule {
+    /// Checks that the module embeds a cubin and that it is fresh ([`check_sass_fresh`]):
+    /// every module the workspace ships has one, so a missing cubin is stale too. The
+    /// body of each kernel crate's CPU freshness test.
+    pub fn check_sass_fresh(&self) -> Result<()> {
+        match &self.sass {
+            Some(sass) => check_sass_fresh(self.name, self.ptx, sass),
+            None => Err(Error::StaleKernel {
+                name: self.name.to_owned(),
+                msg: "no cubin is embedded beside the PTX; generate it with `cargo xtask ptx` \
+                      and embed it"
+                    .to_owned(),
+            }),
+        }
+    }
 }
 
 /// A module's machine code: the cubin `cargo xtask ptx` writes beside its PTX
@@ -239,6 +256,22 @@ mod tests {
             let err = check_sass_fresh("k", &ptx, &Sass { cubin, ..sass }).unwrap_err();
             assert!(err.to_string().contains("not a 64-bit CUDA ELF"), "{err}");
         }
+        // A module checks its own cubin, and one without a cubin is stale.
+        let ptx: &'static str = Box::leak(ptx.into_boxed_str());
+        let module = PtxModule {
+            name: "k",
+            ptx,
+            sass: Some(sass),
+        };
+        module.check_sass_fresh().unwrap();
+        let err = PtxModule {
+            sass: None,
+            ..module
+        }
+        .check_sass_fresh()
+        .unwrap_err();
+        assert!(matches!(err, Error::StaleKernel { .. }), "{err}");
+        assert!(err.to_string().contains("no cubin"), "{err}");
     }
 
     #[test]

@@ -285,15 +285,14 @@ impl fmt::Debug for GraphSafeGenerator {
 #[cfg(test)]
 mod tests {
     use tessera_core::cuda::ModuleCode;
-    use tessera_core::kernels::{PTX_TARGET, check_sass_fresh};
+    use tessera_core::kernels::PTX_TARGET;
 
     use super::*;
 
     /// The embedded cubin was compiled from the PTX embedded beside it.
     #[test]
     fn embedded_sass_is_fresh() {
-        let sass = PTX.sass.expect("the cubin is embedded");
-        check_sass_fresh(PTX.name, PTX.ptx, &sass).unwrap();
+        PTX.check_sass_fresh().unwrap();
     }
 
     /// A device of the cubin's capability loads the cubin, and its kernels draw the same

@@ -839,8 +839,7 @@ mod tests {
     /// The embedded cubin was compiled from the PTX embedded beside it.
     #[test]
     fn embedded_sass_is_fresh() {
-        let sass = PTX.sass.expect("the cubin is embedded");
-        tessera_core::kernels::check_sass_fresh(PTX.name, PTX.ptx, &sass).unwrap();
+        PTX.check_sass_fresh().unwrap();
     }
 
     fn require_gpu() -> Arc<CudaDevice> {

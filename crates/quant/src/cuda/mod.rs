@@ -121,16 +121,13 @@ pub(crate) fn dequant_vals(dtype: DType) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use tessera_core::kernels::check_sass_fresh;
-
     use super::*;
 
     /// Each embedded cubin was compiled from the PTX embedded beside it.
     #[test]
     fn embedded_sass_is_fresh() {
         for m in [FP8_PTX, MXFP8_PTX, BLOCK_PTX, NVFP4_PTX] {
-            let sass = m.sass.expect("the cubin is embedded");
-            check_sass_fresh(m.name, m.ptx, &sass).unwrap();
+            m.check_sass_fresh().unwrap();
         }
     }
 }
