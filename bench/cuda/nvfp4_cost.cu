@@ -83,9 +83,7 @@ __device__ __forceinline__ uint32_t magnitudes_fused(const float* v, float g) {
         const uint32_t f2 = __float_as_uint(__fmaf_rn(a, gh, k + 4.0f));
         c[j] = min(min(f0, f1), f2);
     }
-    const uint32_t even = prmt(prmt(c[0], c[2], 0x0040u), prmt(c[4], c[6], 0x0040u), 0x5410u);
-    const uint32_t odd = prmt(prmt(c[1], c[3], 0x0040u), prmt(c[5], c[7], 0x0040u), 0x5410u);
-    return even + (odd << 4);
+    return pack_code_bytes8(c);
 }
 struct Fused : BothParts {
     static __device__ __forceinline__ uint32_t col_magnitudes(const float* v, float g) { return magnitudes_fused(v, g); }

@@ -468,17 +468,22 @@ __device__ __forceinline__ uint32_t e2m1_magnitude_biased(float v, float g) {
     return min(min(f0, f1), f2);
 }
 
+// 8 magnitude codes in the low bytes of c (any high bytes) packed as nibbles, element j
+// in bits 4j .. 4j+3: 3 byte permutes gather the even elements' bytes into a word, 3 the
+// odd ones', and one shifted add interleaves them (7 operations, where shifted adds into
+// one word and the bias took 8; an H100's both kernel 0.3-0.6% faster,
+// bench/cuda/nvfp4_cost.cu). Codes at most 15.
+__device__ __forceinline__ uint32_t pack_code_bytes8(const uint32_t* c) {
+    const uint32_t even = prmt(prmt(c[0], c[2], 0x0040u), prmt(c[4], c[6], 0x0040u), 0x5410u);
+    const uint32_t odd = prmt(prmt(c[1], c[3], 0x0040u), prmt(c[5], c[7], 0x0040u), 0x5410u);
+    return even + (odd << 4);
+}
+
 __device__ __forceinline__ uint32_t e2m1x8_magnitudes(const float* v, float g) {
     uint32_t c[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) c[j] = e2m1_magnitude_biased(v[j], g);
-    // The codes are the low bytes of c: 3 byte permutes gather the even elements' into a
-    // word, 3 the odd ones', and one shifted add interleaves them as nibbles (7
-    // operations, where shifted adds into one word and the bias took 8; an H100's both
-    // kernel 0.3-0.6% faster, bench/cuda/nvfp4_cost.cu).
-    const uint32_t even = prmt(prmt(c[0], c[2], 0x0040u), prmt(c[4], c[6], 0x0040u), 0x5410u);
-    const uint32_t odd = prmt(prmt(c[1], c[3], 0x0040u), prmt(c[5], c[7], 0x0040u), 0x5410u);
-    return even + (odd << 4);
+    return pack_code_bytes8(c);  // the codes are the low bytes of the biased minima
 }
 
 // Per block-scale byte e: the encode scale g = block_encode_scale(e, s_dec), and lim, the
