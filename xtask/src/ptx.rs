@@ -37,18 +37,16 @@ pub(crate) fn run(root: &Path, resources: bool, out: Option<&Path>) -> Result<()
         std::fs::create_dir_all(&dest_dir)?;
         let dest = dest_dir.join(format!("{stem}.ptx"));
         let tmp = dest.with_extension("ptx.tmp");
-        let status = Command::new(&nvcc)
-            .arg(arch_flag())
-            .args(NVCC_FLAGS)
-            .arg("-ptx")
-            .arg(&cu)
-            .arg("-o")
-            .arg(&tmp)
-            .status()
-            .with_context(|| format!("running {}", nvcc.display()))?;
-        if !status.success() {
-            bail!("nvcc failed on {}", rel.display());
-        }
+        run_tool(
+            Command::new(&nvcc)
+                .arg(arch_flag())
+                .args(NVCC_FLAGS)
+                .arg("-ptx")
+                .arg(&cu)
+                .arg("-o")
+                .arg(&tmp),
+            rel,
+        )?;
         let body = std::fs::read_to_string(&tmp)?;
         std::fs::remove_file(&tmp)?;
         let header = tessera_core::kernels::ptx_header(&source);
@@ -59,18 +57,28 @@ pub(crate) fn run(root: &Path, resources: bool, out: Option<&Path>) -> Result<()
         println!("{} -> {}", dest.display(), cubin.display());
         if resources {
             let cubin = std::env::temp_dir().join(format!("tessera-{stem}.cubin"));
-            let status = Command::new(&nvcc)
-                .arg(arch_flag())
-                .args(NVCC_FLAGS)
-                .args(["-cubin", "-Xptxas", "-v"])
-                .arg(&cu)
-                .arg("-o")
-                .arg(&cubin)
-                .status()?;
-            if !status.success() {
-                bail!("nvcc -cubin failed on {}", rel.display());
-            }
+            run_tool(
+                Command::new(&nvcc)
+                    .arg(arch_flag())
+                    .args(NVCC_FLAGS)
+                    .args(["-cubin", "-Xptxas", "-v"])
+                    .arg(&cu)
+                    .arg("-o")
+                    .arg(&cubin),
+                rel,
+            )?;
         }
+    }
+    Ok(())
+}
+
+/// Runs `cmd` (nvcc or ptxas on `input`) to completion; an error names the program and
+/// the input when it cannot start or fails.
+fn run_tool(cmd: &mut Command, input: &Path) -> Result<()> {
+    let program = cmd.get_program().to_string_lossy().into_owned();
+    let status = cmd.status().with_context(|| format!("running {program}"))?;
+    if !status.success() {
+        bail!("{program} failed on {}", input.display());
     }
     Ok(())
 }
@@ -84,16 +92,14 @@ fn write_sass(ptxas: &Path, ptx_path: &Path, ptx: &str) -> Result<PathBuf> {
     let stem = ptx_path.file_stem().expect("a file name").to_string_lossy();
     let cubin = ptx_path.with_file_name(format!("{stem}.{SASS_INFIX}.cubin"));
     let tmp = cubin.with_extension("cubin.tmp");
-    let status = Command::new(ptxas)
-        .arg(arch_flag())
-        .arg(ptx_path)
-        .arg("-o")
-        .arg(&tmp)
-        .status()
-        .with_context(|| format!("running {}", ptxas.display()))?;
-    if !status.success() {
-        bail!("ptxas failed on {}", ptx_path.display());
-    }
+    run_tool(
+        Command::new(ptxas)
+            .arg(arch_flag())
+            .arg(ptx_path)
+            .arg("-o")
+            .arg(&tmp),
+        ptx_path,
+    )?;
     std::fs::rename(&tmp, &cubin)?;
     let sha = cubin.with_file_name(format!("{stem}.{SASS_INFIX}.cubin.sha256"));
     std::fs::write(sha, format!("{}\n", ptx_sha256(ptx)))?;
