@@ -1,0 +1,271 @@
+// The NVFP4 both kernel, persistent, with its next tile streamed into shared memory while
+// it quantizes the current one (not shipped; an experiment). The shipped kernel is one
+// 128x128 tile per CTA at 4 CTAs per SM (64 registers): a CTA loads, then computes, then
+// stores, and on an H200 neither the issue slots nor the memory are busy all the time
+// (BENCHMARKS.md). The earlier persistent and pipelined forms (nvfp4_variants.cu,
+// nvfp4_persist.cu) spilled at 64 registers (the bulk-copy one 284 bytes) or ran at 2-3
+// CTAs per SM. Here the loop carries one register (the iteration), the next tile's
+// bytes arrive without registers (bulk copies completing on an mbarrier), and the
+// encode-scale tables are filled once per CTA:
+//   rows:   threads 0-127 each copy one 256-byte row of the next tile (cp.async.bulk);
+//   tensor: thread 0 copies the whole 128x128 box through a tensor map
+//           (cp.async.bulk.tensor.2d).
+// Shapes that are multiples of 128 only (every tile full). bf16 inputs that take the
+// fast path everywhere; outputs hashed against the shipped kernel's.
+// Build on the GPU machine:
+//   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
+//        bench/cuda/nvfp4_pipe.cu -o np && ./np
+#include <cuda.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "fp8.cu"
+#include "sm90.cuh"
+#include "harness.cuh"
+#include "nvfp4.cu"
+#include "nvfp4_buffers.cuh"
+
+#ifndef PIPE_MINB
+#define PIPE_MINB 4
+#endif
+
+// The tile of linear index n of the banded grid (GX = h * gy CTAs a band, `bands` bands),
+// last first, as tile_banded maps a CTA of the shipped kernel's 2-D launch.
+__device__ __forceinline__ TileRC pipe_tile(uint32_t n, uint32_t GX, uint32_t total, uint32_t hb) {
+    const uint32_t r = total - 1u - n, band = r / GX, x = r - band * GX;
+    return {(band << hb) + (x & ((1u << hb) - 1u)), x >> hb};
+}
+
+// The 2-D box copy of a tile: 128 columns x 128 rows of bf16 at (C0, R0) into dst.
+__device__ __forceinline__ void tensor_load(void* dst, const CUtensorMap* map, uint32_t C0, uint32_t R0, uint64_t* b) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+            smem_u32(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(C0), "r"(R0), "r"(smem_u32(b))
+        : "memory");
+}
+
+// The banded grid's shape, computed on the host (so that the loop carries none of it):
+// gx tile rows, GX CTAs a band (h * gy), `total` CTAs in all, hb = log2 h.
+struct PipeGrid {
+    uint32_t gx, GX, total, hb;
+};
+
+// threadIdx.x read anew where it is used: a persistent loop would otherwise keep the
+// values derived from it (the lane's place, the flush's addresses) in registers from one
+// tile to the next, and at 64 registers those spill.
+__device__ __forceinline__ int opaque_tid() {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
+}
+
+__device__ __forceinline__ BothLane opaque_lane() {
+    const int t = opaque_tid(), lane = t & 31, warp = t >> 5;
+    BothLane l;
+    l.cg = lane & 7;
+    l.g = lane >> 3;
+    l.rt = 32 * (warp / 2) + 8 * l.g;
+    l.ct = 64 * (warp % 2) + 8 * l.cg;
+    return l;
+}
+
+// flush_both_scales with the thread index read anew.
+struct PipeParts : BothParts {
+    static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
+        const int t = opaque_tid();
+        if (a.q_row != nullptr) {
+            const u64 r = R0 + t / 2, jb = C0 / 16 + 4 * (t % 2);
+            if (r < a.m && jb < a.k / 16) {
+                const u64 i = scale_index(r, jb, a.s_row_cols, a.swizzled);
+                *reinterpret_cast<uint32_t*>(a.s_row + i) = *reinterpret_cast<const uint32_t*>(&s.row[t / 2][4 * (t % 2)]);
+            }
+        }
+        if (a.q_col != nullptr) {
+            const u64 c = C0 + t / 2, ib = R0 / 16 + 4 * (t % 2);
+            if (c < a.k && ib < a.m / 16) {
+                const u64 i = scale_index(c, ib, a.s_col_cols, a.swizzled);
+                *reinterpret_cast<uint32_t*>(a.s_col + i) = *reinterpret_cast<const uint32_t*>(&s.col[t / 2][4 * (t % 2)]);
+            }
+        }
+    }
+};
+
+// With DIAG_COUNT (and a copy of nvfp4.cu that counts them in g_general_warps), each
+// line also says how many warps took the general path in one launch.
+static void general_count(const char* name) {
+#ifdef DIAG_COUNT
+    unsigned long long c = 0;
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpyFromSymbol(&c, g_general_warps, sizeof c));
+    std::printf("  %s: %llu warps on the general path a launch\n", name, c);
+#else
+    (void)name;
+#endif
+}
+static void general_reset() {
+#ifdef DIAG_COUNT
+    const unsigned long long z = 0;
+    CK(cudaMemcpyToSymbol(g_general_warps, &z, sizeof z));
+#endif
+}
+
+// Mode 0: row copies; 1: tensor copy; 2: no copies, each tile loaded straight into
+// registers at the top of its iteration (the loop alone, for comparison); 3: tensor copy
+// waited for after the tile, not before (the tile read from the stage unwaited: wrong
+// bytes; whether the copy completes within a tile's work).
+template <int Mode>
+__global__ void __launch_bounds__(256, PIPE_MINB) both_pipe(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a,
+                                                            const PipeGrid pg, const __grid_constant__ CUtensorMap map) {
+    using T = __nv_bfloat16;
+    constexpr uint32_t ROW = 128 * sizeof(T);
+    __shared__ __align__(128) uint8_t stage[128 * ROW];
+    __shared__ BothShared sh;
+    __shared__ uint64_t bar;
+    // Threads 0-127 (rows) or thread 0 (tensor) start the copy of tile n into the stage.
+    auto issue = [&](uint32_t n) {
+        const TileRC t = pipe_tile(n, pg.GX, pg.total, pg.hb);
+        if (t.row >= pg.gx) {  // padding of the last band: nothing to load, the phase still completes
+            if (threadIdx.x == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(&bar)) : "memory");
+            return;
+        }
+        if (threadIdx.x == 0) mbar_arrive_expect(&bar, 128 * ROW);
+        if constexpr (Mode == 1 || Mode == 3) {
+            if (threadIdx.x == 0) tensor_load(stage, &map, t.col * 128, t.row * 128, &bar);
+        } else {
+            if (threadIdx.x < 128)
+                bulk_load(stage + threadIdx.x * ROW, x + ((u64)t.row * 128 + threadIdx.x) * a.k + (u64)t.col * 128, ROW,
+                          &bar);
+        }
+    };
+    // The iteration count lives in shared memory, not in a register across the tile:
+    // read by every thread at the top of an iteration, advanced by thread 0 after the
+    // stage barrier (when every thread has read it); both_tile's barriers order that
+    // write before the next reads.
+    __shared__ uint32_t s_it;
+    if (threadIdx.x == 0) {
+        mbar_init(&bar, 1);
+        s_it = 0;
+    }
+    __syncthreads();
+    if (Mode != 2 && blockIdx.x < pg.total) issue(blockIdx.x);
+    if (Mode == 3) mbar_wait(&bar, 0);
+    pdl_wait();
+    both_tables(sh, a);  // both_tile's first barrier comes before any read of them
+#pragma unroll 1
+    for (;;) {
+        const uint32_t it = *reinterpret_cast<volatile uint32_t*>(&s_it);
+        const uint32_t n = blockIdx.x + it * gridDim.x;
+        if (n >= pg.total) break;
+        if (Mode < 2) mbar_wait(&bar, it & 1u);
+        const BothLane l = opaque_lane();
+        BothTile<T> d;
+        if constexpr (Mode == 2) {
+            const TileRC t = pipe_tile(n, pg.GX, pg.total, pg.hb);
+            const uint4* src = reinterpret_cast<const uint4*>(x + ((u64)t.row * 128 + l.rt) * a.k + (u64)t.col * 128 + l.ct);
+#pragma unroll
+            for (int r = 0; r < 8; ++r) d.u[r][0] = src[r * (a.k / 8)];
+        } else {
+#pragma unroll
+            for (int r = 0; r < 8; ++r)
+                d.u[r][0] = *reinterpret_cast<const uint4*>(stage + (l.rt + r) * ROW + l.ct * sizeof(T));
+        }
+        __syncthreads();  // every lane holds its tile (and has read s_it): the stage may be refilled
+        if (threadIdx.x == 0) {
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            *reinterpret_cast<volatile uint32_t*>(&s_it) = it + 1u;
+        }
+        const bool more = n + gridDim.x < pg.total;
+        if (Mode != 2 && more) issue(n + gridDim.x);
+        const TileRC t = pipe_tile(n, pg.GX, pg.total, pg.hb);
+        if (t.row >= pg.gx) {
+            __syncthreads();  // as both_tile would: s_it's write before the next reads
+            continue;
+        }
+        both_tile<T, PipeParts>(d, l, (u64)t.row * 128, (u64)t.col * 128, true, a, sh);
+        if (Mode == 3 && more) mbar_wait(&bar, (it + 1u) & 1u);
+    }
+}
+
+static CUtensorMap tile_map(const __nv_bfloat16* x, u64 M, u64 K) {
+    CUtensorMap m;
+    const cuuint64_t dims[2] = {K, M};
+    const cuuint64_t strides[1] = {K * 2};
+    const cuuint32_t box[2] = {128, 128};
+    const cuuint32_t elem[2] = {1, 1};
+    // The driver's entry point through the runtime (no -lcuda at link time).
+    using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+    if (fn == nullptr) {
+        std::printf("no cuTensorMapEncodeTiled\n");
+        std::exit(1);
+    }
+    const CUresult r = reinterpret_cast<Encode>(fn)(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<__nv_bfloat16*>(x),
+                                              dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                              CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        std::printf("cuTensorMapEncodeTiled failed: %d\n", (int)r);
+        std::exit(1);
+    }
+    return m;
+}
+
+static void run_shape(u64 M, u64 K) {
+    const Nvfp4Buffers b(M, K, true);
+    const u64 n = b.n;
+    const double bytes = 2.0 * n + 2 * (n / 2.0 + n / 16.0);
+    const dim3 grid = b.both_grid();
+    const CUtensorMap map = tile_map(b.x, M, K);
+    u64 h = 0;
+    const dim3 bg = b.both_grid(&h);
+    uint32_t hb = 0;
+    while ((1ull << hb) < h) ++hb;
+    const PipeGrid pg{(uint32_t)(M / 128), bg.x, bg.x * bg.y, hb};
+    for (int swz = 0; swz < 2; ++swz) {
+        Nvfp4Args a = b.args(b.amax, true);
+        a.swizzled = swz;
+        char name[96];
+        auto shipped = [&] {
+            b.clear();
+            const float t = time_ms([&] { tessera_nvfp4_both_bf16<<<grid, 256>>>(b.x, a); });
+            std::snprintf(name, sizeof name, "shipped%s", swz ? ", swizzled" : "");
+            report_hashes(name, t, bytes, b.copy_gbs, {{b.q, n / 2}, {b.qt, n / 2}, {b.sr, n / 16}, {b.sc, n / 16}});
+            general_reset();
+            tessera_nvfp4_both_bf16<<<grid, 256>>>(b.x, a);
+            general_count(name);
+        };
+        auto pipe = [&](auto kernel, const char* label) {
+            int per = 0;
+            const unsigned g = persistent_grid(kernel, 0, (u64)grid.x * grid.y, &per);
+            b.clear();
+            const float t = time_ms([&] { kernel<<<g, 256>>>(b.x, a, pg, map); });
+            std::snprintf(name, sizeof name, "%s (%d CTAs/SM)%s", label, per, swz ? ", swizzled" : "");
+            report_hashes(name, t, bytes, b.copy_gbs, {{b.q, n / 2}, {b.qt, n / 2}, {b.sr, n / 16}, {b.sc, n / 16}});
+            general_reset();
+            kernel<<<g, 256>>>(b.x, a, pg, map);
+            general_count(name);
+        };
+        for (int pass = 0; pass < 2; ++pass) {
+            shipped();
+            pipe(both_pipe<0>, "pipelined, row copies");
+            pipe(both_pipe<1>, "pipelined, tensor copy");
+            pipe(both_pipe<2>, "persistent, no copies");
+            pipe(both_pipe<3>, "tensor copy waited late (wrong bytes)");
+        }
+    }
+}
+
+int main() {
+    print_device();
+    run_shape(env_dim("NP_M", 16384), env_dim("NP_K", 8192));
+    run_shape(4096, 4096);
+    return 0;
+}
