@@ -4,17 +4,22 @@
 // stores, and on an H200 neither the issue slots nor the memory are busy all the time
 // (BENCHMARKS.md). The earlier persistent and pipelined forms (nvfp4_variants.cu,
 // nvfp4_persist.cu) spilled at 64 registers (the bulk-copy one 284 bytes) or ran at 2-3
-// CTAs per SM. Here the loop carries one register (the iteration), the next tile's
-// bytes arrive without registers (bulk copies completing on an mbarrier), and the
-// encode-scale tables are filled once per CTA:
-//   rows:   threads 0-127 each copy one 256-byte row of the next tile (cp.async.bulk);
-//   tensor: thread 0 copies the whole 128x128 box through a tensor map
-//           (cp.async.bulk.tensor.2d).
+// CTAs per SM. Here nothing but the tile crosses the fast path in registers: the
+// iteration count sits in shared memory, the grid's shape comes from the host, the
+// thread index is read anew where used (8 spill loads remain in the fast path), the next
+// tile's bytes arrive without registers (bulk copies completing on an mbarrier), and the
+// encode-scale tables are filled once per CTA. Variants (Pipe<...>): row copies by
+// threads 0-127 (cp.async.bulk, 256 bytes each) or one 128x128 box by thread 0 through
+// a tensor map (cp.async.bulk.tensor.2d); with or without a proxy fence before each copy;
+// no copies (the loop alone); the copy waited for late; %globaltimer stamps.
 // Shapes that are multiples of 128 only (every tile full). bf16 inputs that take the
 // fast path everywhere; outputs hashed against the shipped kernel's.
 // Build on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
 //        bench/cuda/nvfp4_pipe.cu -o np && ./np
+// With -DDIAG_COUNT and, ahead of crates/quant/kernels on the include path, a copy of
+// nvfp4.cu whose both_tile adds 1 to `__device__ unsigned long long g_general_warps`
+// (lane 0 of each warp that takes the general path), each line also counts those warps.
 #include <cuda.h>
 
 #include <algorithm>
@@ -113,16 +118,40 @@ static void general_reset() {
 #endif
 }
 
-// Mode 0: row copies; 1: tensor copy; 2: no copies, each tile loaded straight into
-// registers at the top of its iteration (the loop alone, for comparison); 3: tensor copy
-// waited for after the tile, not before (the tile read from the stage unwaited: wrong
-// bytes; whether the copy completes within a tile's work).
-template <int Mode>
+// With P::stamps, thread 0 of each CTA stamps %globaltimer (ns) at the top of each
+// iteration, after its wait and after its tile: g_stamps[(cta * STAMP_IT + it) * 3 + k].
+constexpr int STAMP_IT = 64;
+__device__ unsigned long long* g_stamps;
+__device__ __forceinline__ void stamp(uint32_t it, int k) {
+    if (threadIdx.x == 0 && it < STAMP_IT) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        g_stamps[((u64)blockIdx.x * STAMP_IT + it) * 3 + k] = t;
+    }
+}
+
+// How a variant gets its next tile: copied into the stage by threads 0-127 a row each
+// (Rows) or by thread 0 as one box (Tensor), or not copied: loaded straight into
+// registers at the top of its iteration (Direct, the loop alone).
+enum class Copy { Rows, Tensor, Direct };
+// A variant: its copy; whether thread 0 issues fence.proxy.async.shared::cta between the
+// stage barrier and the next copy (SASS: MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S, so it waits
+// for thread 0's stores of the tile before; the first H100 run had it in every variant);
+// whether the copy is waited for after the tile instead of before it (the tile then read
+// from the stage unwaited: wrong bytes; whether a copy completes within a tile's work);
+// whether it stamps.
+template <Copy C, bool F, bool Late = false, bool Stamps = false> struct Pipe {
+    static constexpr Copy copy = C;
+    static constexpr bool fence = F, late = Late, stamps = Stamps;
+};
+
+template <class P>
 __global__ void __launch_bounds__(256, PIPE_MINB) both_pipe(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a,
                                                             const PipeGrid pg, const __grid_constant__ CUtensorMap map) {
     using T = __nv_bfloat16;
     constexpr uint32_t ROW = 128 * sizeof(T);
-    __shared__ __align__(128) uint8_t stage[128 * ROW];
+    constexpr bool copies = P::copy != Copy::Direct;
+    __shared__ __align__(128) uint8_t stage[copies ? 128 * ROW : 16];
     __shared__ BothShared sh;
     __shared__ uint64_t bar;
     // Threads 0-127 (rows) or thread 0 (tensor) start the copy of tile n into the stage.
@@ -133,7 +162,7 @@ __global__ void __launch_bounds__(256, PIPE_MINB) both_pipe(const __nv_bfloat16*
             return;
         }
         if (threadIdx.x == 0) mbar_arrive_expect(&bar, 128 * ROW);
-        if constexpr (Mode == 1 || Mode == 3) {
+        if constexpr (P::copy == Copy::Tensor) {
             if (threadIdx.x == 0) tensor_load(stage, &map, t.col * 128, t.row * 128, &bar);
         } else {
             if (threadIdx.x < 128)
@@ -151,8 +180,8 @@ __global__ void __launch_bounds__(256, PIPE_MINB) both_pipe(const __nv_bfloat16*
         s_it = 0;
     }
     __syncthreads();
-    if (Mode != 2 && blockIdx.x < pg.total) issue(blockIdx.x);
-    if (Mode == 3) mbar_wait(&bar, 0);
+    if (copies && blockIdx.x < pg.total) issue(blockIdx.x);
+    if (P::late) mbar_wait(&bar, 0);
     pdl_wait();
     both_tables(sh, a);  // both_tile's first barrier comes before any read of them
 #pragma unroll 1
@@ -160,10 +189,12 @@ __global__ void __launch_bounds__(256, PIPE_MINB) both_pipe(const __nv_bfloat16*
         const uint32_t it = *reinterpret_cast<volatile uint32_t*>(&s_it);
         const uint32_t n = blockIdx.x + it * gridDim.x;
         if (n >= pg.total) break;
-        if (Mode < 2) mbar_wait(&bar, it & 1u);
+        if (P::stamps) stamp(it, 0);
+        if (copies && !P::late) mbar_wait(&bar, it & 1u);
+        if (P::stamps) stamp(it, 1);
         const BothLane l = opaque_lane();
         BothTile<T> d;
-        if constexpr (Mode == 2) {
+        if constexpr (!copies) {
             const TileRC t = pipe_tile(n, pg.GX, pg.total, pg.hb);
             const uint4* src = reinterpret_cast<const uint4*>(x + ((u64)t.row * 128 + l.rt) * a.k + (u64)t.col * 128 + l.ct);
 #pragma unroll
@@ -175,20 +206,23 @@ __global__ void __launch_bounds__(256, PIPE_MINB) both_pipe(const __nv_bfloat16*
         }
         __syncthreads();  // every lane holds its tile (and has read s_it): the stage may be refilled
         if (threadIdx.x == 0) {
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            if (P::fence) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             *reinterpret_cast<volatile uint32_t*>(&s_it) = it + 1u;
         }
         const bool more = n + gridDim.x < pg.total;
-        if (Mode != 2 && more) issue(n + gridDim.x);
+        if (copies && more) issue(n + gridDim.x);
         const TileRC t = pipe_tile(n, pg.GX, pg.total, pg.hb);
         if (t.row >= pg.gx) {
             __syncthreads();  // as both_tile would: s_it's write before the next reads
             continue;
         }
         both_tile<T, PipeParts>(d, l, (u64)t.row * 128, (u64)t.col * 128, true, a, sh);
-        if (Mode == 3 && more) mbar_wait(&bar, (it + 1u) & 1u);
+        if (P::late && more) mbar_wait(&bar, (it + 1u) & 1u);
+        if (P::stamps) stamp(it, 2);
     }
 }
+
+using StampPipe = Pipe<Copy::Tensor, false, false, true>;
 
 static CUtensorMap tile_map(const __nv_bfloat16* x, u64 M, u64 K) {
     CUtensorMap m;
@@ -253,12 +287,50 @@ static void run_shape(u64 M, u64 K) {
             kernel<<<g, 256>>>(b.x, a, pg, map);
             general_count(name);
         };
+        auto stamped = [&] {
+            int per = 0;
+            const unsigned g = persistent_grid(both_pipe<StampPipe>, 0, (u64)grid.x * grid.y, &per);
+            const size_t count = (size_t)g * STAMP_IT * 3;
+            unsigned long long* d;
+            CK(cudaMalloc(&d, count * 8));
+            CK(cudaMemset(d, 0, count * 8));
+            CK(cudaMemcpyToSymbol(g_stamps, &d, sizeof d));
+            both_pipe<StampPipe><<<g, 256>>>(b.x, a, pg, map);  // warm
+            CK(cudaMemset(d, 0, count * 8));
+            both_pipe<StampPipe><<<g, 256>>>(b.x, a, pg, map);
+            CK(cudaDeviceSynchronize());
+            std::vector<unsigned long long> h(count);
+            CK(cudaMemcpy(h.data(), d, count * 8, cudaMemcpyDeviceToHost));
+            CK(cudaFree(d));
+            unsigned long long t_min = ~0ull, t_max = 0;
+            double wait = 0, work = 0, first_wait = 0;
+            std::vector<double> waits;
+            long iters = 0;
+            for (unsigned c = 0; c < g; ++c)
+                for (int i = 0; i < STAMP_IT; ++i) {
+                    const unsigned long long* r = &h[((size_t)c * STAMP_IT + i) * 3];
+                    if (r[0] == 0) break;
+                    t_min = std::min(t_min, r[0]);
+                    t_max = std::max(t_max, r[2]);
+                    if (i == 0) first_wait += r[1] - r[0];
+                    else wait += r[1] - r[0];
+                    work += r[2] - r[1];
+                    ++iters;
+                }
+            std::printf("  stamped (tensor copy): %ld iterations of %u CTAs over %.1f us; a tile's work %.2f us, "
+                        "wait for a later tile %.2f us, for the first %.2f us (means)\n",
+                        iters, g, (t_max - t_min) / 1e3, work / iters / 1e3, wait / std::max<long>(1, iters - g) / 1e3,
+                        first_wait / g / 1e3);
+        };
         for (int pass = 0; pass < 2; ++pass) {
             shipped();
-            pipe(both_pipe<0>, "pipelined, row copies");
-            pipe(both_pipe<1>, "pipelined, tensor copy");
-            pipe(both_pipe<2>, "persistent, no copies");
-            pipe(both_pipe<3>, "tensor copy waited late (wrong bytes)");
+            pipe(both_pipe<Pipe<Copy::Rows, true>>, "row copies, fence");
+            pipe(both_pipe<Pipe<Copy::Tensor, true>>, "tensor copy, fence");
+            pipe(both_pipe<Pipe<Copy::Rows, false>>, "row copies");
+            pipe(both_pipe<Pipe<Copy::Tensor, false>>, "tensor copy");
+            pipe(both_pipe<Pipe<Copy::Direct, false>>, "no copies (the loop alone)");
+            pipe(both_pipe<Pipe<Copy::Tensor, false, true>>, "tensor copy waited late (wrong bytes)");
+            if (pass == 0) stamped();
         }
     }
 }
