@@ -6,7 +6,7 @@
 // nvfp4_persist.cu) spilled at 64 registers (the bulk-copy one 284 bytes) or ran at 2-3
 // CTAs per SM. Here nothing but the tile crosses the fast path in registers: the
 // iteration count sits in shared memory, the grid's shape comes from the host, the
-// thread index is read anew where used (8 spill loads remain in the fast path), the next
+// thread index is read anew where used (7 spill loads remain in the fast path), the next
 // tile's bytes arrive without registers (bulk copies completing on an mbarrier), and the
 // encode-scale tables are filled once per CTA. Variants (Pipe<...>): row copies by
 // threads 0-127 (cp.async.bulk, 256 bytes each) or one 128x128 box by thread 0 through
@@ -62,40 +62,17 @@ struct PipeGrid {
 // threadIdx.x read anew where it is used: a persistent loop would otherwise keep the
 // values derived from it (the lane's place, the flush's addresses) in registers from one
 // tile to the next, and at 64 registers those spill.
-__device__ __forceinline__ int opaque_tid() {
-    int t;
+__device__ __forceinline__ unsigned opaque_tid() {
+    unsigned t;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
     return t;
 }
 
-__device__ __forceinline__ BothLane opaque_lane() {
-    const int t = opaque_tid(), lane = t & 31, warp = t >> 5;
-    BothLane l;
-    l.cg = lane & 7;
-    l.g = lane >> 3;
-    l.rt = 32 * (warp / 2) + 8 * l.g;
-    l.ct = 64 * (warp % 2) + 8 * l.cg;
-    return l;
-}
 
 // flush_both_scales with the thread index read anew.
 struct PipeParts : BothParts {
     static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
-        const int t = opaque_tid();
-        if (a.q_row != nullptr) {
-            const u64 r = R0 + t / 2, jb = C0 / 16 + 4 * (t % 2);
-            if (r < a.m && jb < a.k / 16) {
-                const u64 i = scale_index(r, jb, a.s_row_cols, a.swizzled);
-                *reinterpret_cast<uint32_t*>(a.s_row + i) = *reinterpret_cast<const uint32_t*>(&s.row[t / 2][4 * (t % 2)]);
-            }
-        }
-        if (a.q_col != nullptr) {
-            const u64 c = C0 + t / 2, ib = R0 / 16 + 4 * (t % 2);
-            if (c < a.k && ib < a.m / 16) {
-                const u64 i = scale_index(c, ib, a.s_col_cols, a.swizzled);
-                *reinterpret_cast<uint32_t*>(a.s_col + i) = *reinterpret_cast<const uint32_t*>(&s.col[t / 2][4 * (t % 2)]);
-            }
-        }
+        flush_both_scales(s, a, R0, C0, opaque_tid());
     }
 };
 
@@ -192,7 +169,7 @@ __global__ void __launch_bounds__(256, PIPE_MINB) both_pipe(const __nv_bfloat16*
         if (P::stamps) stamp(it, 0);
         if (copies && !P::late) mbar_wait(&bar, it & 1u);
         if (P::stamps) stamp(it, 1);
-        const BothLane l = opaque_lane();
+        const BothLane l(opaque_tid());
         BothTile<T> d;
         if constexpr (!copies) {
             const TileRC t = pipe_tile(n, pg.GX, pg.total, pg.hb);

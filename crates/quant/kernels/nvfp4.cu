@@ -513,8 +513,9 @@ struct BothScales {
     uint8_t col[128][8];
 };
 
-__device__ __forceinline__ void flush_both_scales(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
-    const int t = threadIdx.x;
+// Thread t (threadIdx.x unless the caller reads it itself) writes its two words.
+__device__ __forceinline__ void flush_both_scales(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0,
+                                                  int t = threadIdx.x) {
     if (a.q_row != nullptr) {
         const u64 r = R0 + t / 2, jb = C0 / 16 + 4 * (t % 2);
         if (r < a.m && jb < a.k / 16) {
@@ -535,8 +536,10 @@ __device__ __forceinline__ void flush_both_scales(const BothScales& s, const Nvf
 // col .. col + 7 (rt, ct within the tile); 8 warps, 4 down and 2 across.
 struct BothLane {
     int cg, g, rt, ct;
-    __device__ BothLane() {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __device__ BothLane() : BothLane(threadIdx.x) {}
+    // Thread t's place (a persistent loop passes the index it read itself).
+    __device__ explicit BothLane(unsigned t) {
+        const int lane = t & 31, warp = t >> 5;
         cg = lane & 7;
         g = lane >> 3;
         rt = 32 * (warp / 2) + 8 * g;
