@@ -37,7 +37,7 @@
 #define PIPE_MINB 4
 #endif
 
-// The tile of linear index n of the banded grid (GX = h * gy CTAs a band, `bands` bands),
+// The tile of linear index n of the banded grid (GX = h * gy CTAs a band, `total` CTAs),
 // last first, as tile_banded maps a CTA of the shipped kernel's 2-D launch.
 __device__ __forceinline__ TileRC pipe_tile(uint32_t n, uint32_t GX, uint32_t total, uint32_t hb) {
     const uint32_t r = total - 1u - n, band = r / GX, x = r - band * GX;
@@ -67,7 +67,6 @@ __device__ __forceinline__ unsigned opaque_tid() {
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
     return t;
 }
-
 
 // flush_both_scales with the thread index read anew.
 struct PipeParts : BothParts {
