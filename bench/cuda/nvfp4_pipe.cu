@@ -11,7 +11,9 @@
 // encode-scale tables are filled once per CTA. Variants (Pipe<...>): row copies by
 // threads 0-127 (cp.async.bulk, 256 bytes each) or one 128x128 box by thread 0 through
 // a tensor map (cp.async.bulk.tensor.2d); with or without a proxy fence before each copy;
-// no copies (the loop alone); the copy waited for late; %globaltimer stamps.
+// no copies (the loop alone); the copy waited for late; %globaltimer stamps. Then the
+// quantizer's sequence (amax pass + kernel, plain and programmatic launches) of the
+// shipped kernel and the unfenced copies.
 // Shapes that are multiples of 128 only (every tile full). bf16 inputs that take the
 // fast path everywhere; outputs hashed against the shipped kernel's.
 // Build on the GPU machine:
@@ -298,6 +300,34 @@ static void run_shape(u64 M, u64 K) {
                         iters, g, (t_max - t_min) / 1e3, work / iters / 1e3, wait / std::max<long>(1, iters - g) / 1e3,
                         first_wait / g / 1e3);
         };
+        // The quantizer's sequence, timed as one: the amax pass (memset + kernel), then the
+        // kernel, plainly or as a programmatic launch (the library's order), whose first
+        // tiles are the amax pass's last reads; of the two-pass floor (the input read
+        // twice, the outputs written once, at the copy's rate).
+        auto sequence = [&](auto kernel, dim3 g, bool pdl, const char* label, auto... extra) {
+            b.clear();
+            const float t = time_ms([&] {
+                CK(cudaMemsetAsync(b.amax, 0, 4));
+                tessera_amax_bf16<<<b.amax_grid, 256>>>(b.x, n, b.amax);
+                if (pdl) launch_pdl(kernel, g, dim3(256), (const __nv_bfloat16*)b.x, a, extra...);
+                else kernel<<<g, 256>>>(b.x, a, extra...);
+            });
+            const double floor_ms = (2.0 * n + bytes) / b.copy_gbs / 1e6;
+            std::snprintf(name, sizeof name, "amax + %s%s", label, swz ? ", swizzled" : "");
+            std::printf("%-40s %8.4f ms  %6.3f of two-pass floor  hash %016llx %016llx\n", name, t, floor_ms / t,
+                        (unsigned long long)fnv(b.qt, n / 2), (unsigned long long)fnv(b.sc, n / 16));
+        };
+        auto sequences = [&] {
+            using Rows = Pipe<Copy::Rows, false>;
+            using Tensor = Pipe<Copy::Tensor, false>;
+            const dim3 gr(persistent_grid(both_pipe<Rows>, 0, (u64)grid.x * grid.y));
+            const dim3 gt(persistent_grid(both_pipe<Tensor>, 0, (u64)grid.x * grid.y));
+            for (int pdl = 0; pdl < 2; ++pdl) {
+                sequence(tessera_nvfp4_both_bf16, grid, pdl, pdl ? "shipped, PDL" : "shipped");
+                sequence(both_pipe<Rows>, gr, pdl, pdl ? "row copies, PDL" : "row copies", pg, map);
+                sequence(both_pipe<Tensor>, gt, pdl, pdl ? "tensor copy, PDL" : "tensor copy", pg, map);
+            }
+        };
         for (int pass = 0; pass < 2; ++pass) {
             shipped();
             pipe(both_pipe<Pipe<Copy::Rows, true>>, "row copies, fence");
@@ -306,7 +336,10 @@ static void run_shape(u64 M, u64 K) {
             pipe(both_pipe<Pipe<Copy::Tensor, false>>, "tensor copy");
             pipe(both_pipe<Pipe<Copy::Direct, false>>, "no copies (the loop alone)");
             pipe(both_pipe<Pipe<Copy::Tensor, false, true>>, "tensor copy waited late (wrong bytes)");
-            if (pass == 0) stamped();
+            if (pass == 0) {
+                stamped();
+                sequences();
+            }
         }
     }
 }
