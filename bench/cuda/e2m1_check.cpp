@@ -22,8 +22,7 @@
 #include <cmath>
 #include <cstdio>
 #include <algorithm>
-static inline uint32_t B(float f){uint32_t u; std::memcpy(&u,&f,4); return u;}
-static inline float F(uint32_t u){float f; std::memcpy(&f,&u,4); return f;}
+#include "e2m1_host.h"
 static inline float cmin(float a, float b){ if (std::isnan(a)) return b; if (std::isnan(b)) return a; return a < b ? a : b; } // PTX min.f32 (no -0/+0 issue here: all operands >= 2^23)
 static inline uint32_t old_e2m1(float x){
   const uint32_t xb=B(x), ab=xb&0x7FFFFFFFu;
@@ -36,7 +35,6 @@ static inline uint32_t old_e2m1(float x){
 }
 static inline uint32_t new_e2m1(float y){
   const float a = std::fabs(y);
-  const float K0 = 8388608.0f;
   const float f0 = std::fmaf(a, 2.0f, K0);
   const float f1 = a + (K0 + 2.0f);
   const float f2 = std::fmaf(a, 0.5f, K0 + 4.0f);
@@ -44,14 +42,6 @@ static inline uint32_t new_e2m1(float y){
   const uint32_t code = B(m) - B(K0);
   const bool neg = (int32_t)B(y) <= (int32_t)0xFF800000u;
   return code | (neg ? 8u : 0u);
-}
-static inline uint32_t fast_magnitude(float y){
-  const float a = std::fabs(y);
-  const float K0 = 8388608.0f;
-  const uint32_t f0 = B(std::fmaf(a, 2.0f, K0));
-  const uint32_t f1 = B(a + (K0 + 2.0f));
-  const uint32_t f2 = B(std::fmaf(a, 0.5f, K0 + 4.0f));
-  return std::min(std::min(f0, f1), f2) - B(K0);
 }
 static inline double step(double v){ return v < 2.0 ? 0.5 : (v < 4.0 ? 1.0 : 2.0); }
 // The definition (spec/formats.md 2.4; cast.rs encode_e2m1_stochastic): t summed exactly.

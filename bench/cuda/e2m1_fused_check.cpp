@@ -43,27 +43,12 @@
 #include <random>
 #include <vector>
 
-static inline uint32_t B(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    return u;
-}
-static inline float F(uint32_t u) {
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-static const float K0 = 8388608.0f;  // 2^23
+#include "e2m1_host.h"
+
 static const float T[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
 
 // The shipped fast path: the rounded product, then the three lines.
-static inline uint32_t shipped(float u, float g) {
-    const float a = std::fabs(u * g);
-    const uint32_t f0 = B(std::fmaf(a, 2.0f, K0));
-    const uint32_t f1 = B(a + (K0 + 2.0f));
-    const uint32_t f2 = B(std::fmaf(a, 0.5f, K0 + 4.0f));
-    return std::min(std::min(f0, f1), f2) - B(K0);
-}
+static inline uint32_t shipped(float u, float g) { return fast_magnitude(u * g); }
 // The fused lines (g2 = min(2g, FLT_MAX), gh = g / 2, from the table).
 static inline uint32_t fused(float u, float g, float g2, float gh) {
     const float a = std::fabs(u);
