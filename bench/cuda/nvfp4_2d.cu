@@ -98,7 +98,7 @@ static void run_shape(u64 M, u64 K) {
         Nvfp4Args a = b.args(b.amax, both);
         b.clear();
         const float t = time_ms([&] { kernel<<<grid, 256>>>(b.x, a); });
-        report_hashes(label, t, bytes, b.copy_gbs, {{b.q, n / 2}, {b.qt, n / 2}, {b.sr, n / 16}, {b.sc, n / 16}});
+        report_hashes(label, t, bytes, b.copy_gbs, b.outputs());
     };
     uint8_t* blk;
     CK(cudaMalloc(&blk, n / 128 + M + K));  // BlockGrids, padding included
@@ -119,7 +119,7 @@ static void run_shape(u64 M, u64 K) {
         });
         char label[96];
         snprintf(label, sizeof label, "2-D two steps (tile kernel + scales kernel, %d copies)", lib_copies);
-        report_hashes(label, t, bytes, b.copy_gbs, {{b.q, n / 2}, {b.qt, n / 2}, {b.sr, n / 16}, {b.sc, n / 16}});
+        report_hashes(label, t, bytes, b.copy_gbs, b.outputs());
         for (int copies = 16; copies >= 1; copies /= 2) {
             b.clear();
             const float t2 = time_ms([&] { scales(copies); });

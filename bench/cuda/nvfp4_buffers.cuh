@@ -59,6 +59,12 @@ struct Nvfp4Buffers {
         CK(cudaMemset(sc, 0, s_bytes));
     }
 
+    // The four outputs as report_hashes takes them: both orientations' data, and the scale
+    // grids' first n / 16 bytes.
+    std::vector<std::pair<const void*, size_t>> outputs() const {
+        return {{q, n / 2}, {qt, n / 2}, {sr, n / 16}, {sc, n / 16}};
+    }
+
     // The kernels' arguments for these buffers (the columnwise ones when `both`).
     Nvfp4Args args(const float* amax_col, bool both) const {
         Nvfp4Args a{};

@@ -264,7 +264,7 @@ static void run_shape(u64 M, u64 K) {
             const float t = time_ms([&] { kernel<<<grid, 256>>>(b.x, a); });
             char name[96];
             std::snprintf(name, sizeof name, "%s%s", label, swz ? ", swizzled" : "");
-            report_hashes(name, t, bytes, b.copy_gbs, {{b.q, n / 2}, {b.qt, n / 2}, {b.sr, n / 16}, {b.sc, n / 16}});
+            report_hashes(name, t, bytes, b.copy_gbs, b.outputs());
         };
         // The two-step compact scales, timed as one (both launches), hashed against
         // the shipped kernel's.
@@ -281,7 +281,7 @@ static void run_shape(u64 M, u64 K) {
                 to_compact<<<g2, 256>>>(a);
             });
             report_hashes("scratch + to_compact (two launches)", t, bytes, b.copy_gbs,
-                          {{b.q, n / 2}, {b.qt, n / 2}, {b.sr, n / 16}, {b.sc, n / 16}});
+                          b.outputs());
             const float t2 = time_ms([&] { to_compact<<<g2, 256>>>(a); });
             report_hashes("to_compact alone", t2, 4.0 * (n / 16), b.copy_gbs, {{b.sr, n / 16}, {b.sc, n / 16}});
             CK(cudaFree(tr));

@@ -103,7 +103,7 @@ static void run_shape(u64 M, u64 K) {
         auto report = [&](const char* label, float t) {
             char name[96];
             std::snprintf(name, sizeof name, "%s%s", label, swz ? ", swizzled" : "");
-            report_hashes(name, t, bytes, b.copy_gbs, {{b.q, n / 2}, {b.qt, n / 2}, {b.sr, n / 16}, {b.sc, n / 16}});
+            report_hashes(name, t, bytes, b.copy_gbs, b.outputs());
         };
         auto shipped = [&] {
             b.clear();

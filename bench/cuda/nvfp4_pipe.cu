@@ -39,13 +39,6 @@
 #define PIPE_MINB 4
 #endif
 
-// The tile of linear index n of the banded grid (GX = h * gy CTAs a band, `total` CTAs),
-// last first, as tile_banded maps a CTA of the shipped kernel's 2-D launch.
-__device__ __forceinline__ TileRC pipe_tile(uint32_t n, uint32_t GX, uint32_t total, uint32_t hb) {
-    const uint32_t r = total - 1u - n, band = r / GX, x = r - band * GX;
-    return {(band << hb) + (x & ((1u << hb) - 1u)), x >> hb};
-}
-
 // The 2-D box copy of a tile: 128 columns x 128 rows of bf16 at (C0, R0) into dst.
 __device__ __forceinline__ void tensor_load(void* dst, const CUtensorMap* map, uint32_t C0, uint32_t R0, uint64_t* b) {
     asm volatile(
@@ -56,9 +49,10 @@ __device__ __forceinline__ void tensor_load(void* dst, const CUtensorMap* map, u
 }
 
 // The banded grid's shape, computed on the host (so that the loop carries none of it):
-// gx tile rows, GX CTAs a band (h * gy), `total` CTAs in all, hb = log2 h.
+// gx tile rows, gy tile columns, `total` CTAs in all (bands of h tile rows, the last
+// padded), hb = log2 h.
 struct PipeGrid {
-    uint32_t gx, GX, total, hb;
+    uint32_t gx, gy, total, hb;
 };
 
 // threadIdx.x read anew where it is used: a persistent loop would otherwise keep the
@@ -134,7 +128,7 @@ __global__ void __launch_bounds__(256, PIPE_MINB) both_pipe(const __nv_bfloat16*
     __shared__ uint64_t bar;
     // Threads 0-127 (rows) or thread 0 (tensor) start the copy of tile n into the stage.
     auto issue = [&](uint32_t n) {
-        const TileRC t = pipe_tile(n, pg.GX, pg.total, pg.hb);
+        const TileRC t = banded_tile(n, pg.hb, pg.gy, pg.total);
         if (t.row >= pg.gx) {  // padding of the last band: nothing to load, the phase still completes
             if (threadIdx.x == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(&bar)) : "memory");
             return;
@@ -173,7 +167,7 @@ __global__ void __launch_bounds__(256, PIPE_MINB) both_pipe(const __nv_bfloat16*
         const BothLane l(opaque_tid());
         BothTile<T> d;
         if constexpr (!copies) {
-            const TileRC t = pipe_tile(n, pg.GX, pg.total, pg.hb);
+            const TileRC t = banded_tile(n, pg.hb, pg.gy, pg.total);
             const uint4* src = reinterpret_cast<const uint4*>(x + ((u64)t.row * 128 + l.rt) * a.k + (u64)t.col * 128 + l.ct);
 #pragma unroll
             for (int r = 0; r < 8; ++r) d.u[r][0] = src[r * (a.k / 8)];
@@ -189,7 +183,7 @@ __global__ void __launch_bounds__(256, PIPE_MINB) both_pipe(const __nv_bfloat16*
         }
         const bool more = n + gridDim.x < pg.total;
         if (copies && more) issue(n + gridDim.x);
-        const TileRC t = pipe_tile(n, pg.GX, pg.total, pg.hb);
+        const TileRC t = banded_tile(n, pg.hb, pg.gy, pg.total);
         if (t.row >= pg.gx) {
             __syncthreads();  // as both_tile would: s_it's write before the next reads
             continue;
@@ -240,7 +234,7 @@ static void run_shape(u64 M, u64 K) {
     const dim3 bg = b.both_grid(&h);
     uint32_t hb = 0;
     while ((1ull << hb) < h) ++hb;
-    const PipeGrid pg{(uint32_t)(M / 128), bg.x, bg.x * bg.y, hb};
+    const PipeGrid pg{(uint32_t)(M / 128), (uint32_t)(K / 128), bg.x * bg.y, hb};
     for (int swz = 0; swz < 2; ++swz) {
         Nvfp4Args a = b.args(b.amax, true);
         a.swizzled = swz;
@@ -249,7 +243,7 @@ static void run_shape(u64 M, u64 K) {
             b.clear();
             const float t = time_ms([&] { tessera_nvfp4_both_bf16<<<grid, 256>>>(b.x, a); });
             std::snprintf(name, sizeof name, "shipped%s", swz ? ", swizzled" : "");
-            report_hashes(name, t, bytes, b.copy_gbs, {{b.q, n / 2}, {b.qt, n / 2}, {b.sr, n / 16}, {b.sc, n / 16}});
+            report_hashes(name, t, bytes, b.copy_gbs, b.outputs());
             general_reset();
             tessera_nvfp4_both_bf16<<<grid, 256>>>(b.x, a);
             general_count(name);
@@ -260,7 +254,7 @@ static void run_shape(u64 M, u64 K) {
             b.clear();
             const float t = time_ms([&] { kernel<<<g, 256>>>(b.x, a, pg, map); });
             std::snprintf(name, sizeof name, "%s (%d CTAs/SM)%s", label, per, swz ? ", swizzled" : "");
-            report_hashes(name, t, bytes, b.copy_gbs, {{b.q, n / 2}, {b.qt, n / 2}, {b.sr, n / 16}, {b.sc, n / 16}});
+            report_hashes(name, t, bytes, b.copy_gbs, b.outputs());
             general_reset();
             kernel<<<g, 256>>>(b.x, a, pg, map);
             general_count(name);

@@ -65,14 +65,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 
-// Tile t of the banded order (bands of 2^hb tile rows, the last one padded): its row
-// (>= gx for padding) and column.
-__device__ __forceinline__ TileRC banded_tile(uint32_t t, uint32_t hb, uint32_t gy, uint32_t tiles) {
-    t = tiles - 1u - t;  // last first, as tile_banded
-    const uint32_t band = t / (gy << hb), rem = t - band * (gy << hb);
-    return {(band << hb) + (rem & ((1u << hb) - 1u)), rem >> hb};
-}
-
 template <class T>
 __device__ void nvfp4_both_pipe_impl(const T* __restrict__ x, const Nvfp4Args a) {
     static_assert(sizeof(T) == 2, "the pipelined kernel takes 2-byte inputs");
@@ -193,11 +185,6 @@ __device__ __forceinline__ void prefetch_tile_l2(const __nv_bfloat16* x, const N
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(x + r * a.k + c), "r"((uint32_t)bytes)
                      : "memory");
     }
-}
-
-// The tile of band-column index xx in band `band` (tile_banded's mapping).
-__device__ __forceinline__ TileRC band_tile(uint32_t band, uint32_t xx, uint32_t hb) {
-    return {(band << hb) + (xx & ((1u << hb) - 1u)), xx >> hb};
 }
 
 template <int NT, bool PF>

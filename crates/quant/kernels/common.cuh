@@ -901,10 +901,20 @@ struct TileRC {
 __device__ __forceinline__ uint32_t band_log2(uint32_t gx) {
     return gx <= 1u ? 0u : min(TQ_BAND_ROWS_LOG2, 32u - (uint32_t)__clz(gx - 1u));
 }
+// The tile at index x within band `band` (bands of 2^hb tile rows, rows fastest).
+__device__ __forceinline__ TileRC band_tile(uint32_t band, uint32_t x, uint32_t hb) {
+    return {(band << hb) + (x & ((1u << hb) - 1u)), x >> hb};
+}
 __device__ __forceinline__ TileRC tile_banded(uint32_t gx) {
     const uint32_t hb = band_log2(gx);
-    const uint32_t band = gridDim.y - 1u - blockIdx.y, x = cta_order(true);
-    return {(band << hb) + (x & ((1u << hb) - 1u)), x >> hb};
+    return band_tile(gridDim.y - 1u - blockIdx.y, cta_order(true), hb);
+}
+// Tile t of the same order walked as one sequence of `tiles` (the launch's CTAs, gy tile
+// columns, the last band padded: row >= gx there), last first: the tile tile_banded
+// gives the CTA launched t-th. For kernels whose CTAs walk several tiles.
+__device__ __forceinline__ TileRC banded_tile(uint32_t t, uint32_t hb, uint32_t gy, uint32_t tiles) {
+    const uint32_t r = tiles - 1u - t, band = r / (gy << hb);
+    return band_tile(band, r - band * (gy << hb), hb);
 }
 
 // A warp's 32-row x 64-column tile in registers: lane l holds the 8 consecutive columns
