@@ -8,7 +8,8 @@
 // path everywhere, compact and swizzled scales. NC_ORDER=1 runs the shipped kernel
 // between the flush variants instead (whether one leaves the next kernel faster);
 // NC_ENC=1 times only the encoder variants (the fused lines and per-tensor tables among
-// them) and the former shifted-add packing, three rounds; NC_TWO_STEP=1 times compact scales written through a per-tile scratch and a
+// them) and the former shifted-add packing, three rounds; NC_CROSS=1 the encoders with
+// each compact flush; NC_TWO_STEP=1 times compact scales written through a per-tile scratch and a
 // second kernel, whose bytes must hash as the shipped kernel's.
 // Build on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
@@ -244,6 +245,15 @@ template <int Prefetch> struct PrefetchScales : BothParts {
     }
 };
 
+// An encoder variant with a flush variant (NC_CROSS): whether the compact flush binds
+// once the instructions are fewer.
+template <class Enc, class Flush> struct Cross : Enc {
+    static __device__ __forceinline__ void start(const Nvfp4Args& a, u64 R0, u64 C0) { Flush::start(a, R0, C0); }
+    static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
+        Flush::flush(s, a, R0, C0);
+    }
+};
+
 template <class Parts>
 __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) cost_var(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
     nvfp4_both_impl<__nv_bfloat16, false, false, Parts>(x, a);
@@ -307,6 +317,28 @@ static void run_shape(u64 M, u64 K) {
                 run(cost_var<RowsOneOp>, "rows one op a value");
                 run(cost_var<NoOp>, "no op a value");
             }
+            continue;
+        }
+        if (std::getenv("NC_CROSS") != nullptr) {
+            // The encoders (shipped, rows one op, both one op) with each compact flush
+            // (shipped, none, contiguous per CTA, prefetched lines), three rounds;
+            // swizzled: the encoders alone.
+            for (int pass = 0; pass < 3; ++pass) {
+                run(tessera_nvfp4_both_bf16, "shipped");
+                run(cost_var<RowsOneOp>, "rows one op");
+                run(cost_var<BothOneOp>, "both one op");
+                if (swz) continue;
+                run(cost_var<NoScales>, "no scale bytes");
+                run(cost_var<Cross<RowsOneOp, NoScales>>, "rows one op, no scale bytes");
+                run(cost_var<Cross<BothOneOp, NoScales>>, "both one op, no scale bytes");
+                run(cost_var<ContiguousScales>, "contiguous per CTA");
+                run(cost_var<Cross<RowsOneOp, ContiguousScales>>, "rows one op, contiguous per CTA");
+                run(cost_var<Cross<BothOneOp, ContiguousScales>>, "both one op, contiguous per CTA");
+                run(cost_var<PrefetchScales<0>>, "lines prefetched");
+                run(cost_var<Cross<RowsOneOp, PrefetchScales<0>>>, "rows one op, lines prefetched");
+                run(cost_var<Cross<BothOneOp, PrefetchScales<0>>>, "both one op, lines prefetched");
+            }
+            if (!swz) run_two_step();
             continue;
         }
         if (std::getenv("NC_ORDER") != nullptr) {
