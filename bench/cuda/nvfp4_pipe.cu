@@ -14,7 +14,8 @@
 // no copies (the loop alone); the copy waited for late; %globaltimer stamps. Then the
 // quantizer's sequence (amax pass + kernel, plain and programmatic launches) of the
 // shipped kernel and the unfenced copies.
-// Shapes that are multiples of 128 only (every tile full). bf16 inputs that take the
+// NP_BLOCKED=1 times instead the blocks of tiles whose compact scales leave in whole
+// sectors (both_blocked). Shapes that are multiples of 128 only (every tile full). bf16 inputs that take the
 // fast path everywhere; outputs hashed against the shipped kernel's.
 // Build on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
@@ -196,6 +197,64 @@ __global__ void __launch_bounds__(256, PIPE_MINB) both_pipe(const __nv_bfloat16*
 
 using StampPipe = Pipe<Copy::Tensor, false, false, true>;
 
+// Compact scales in whole sectors (NP_BLOCKED; session 40): a CTA quantizes a block of
+// B x B tiles one after another (tiles loaded straight into registers, as the loop alone
+// above), collects their scale bytes in shared memory and writes each grid row's 8B
+// bytes of the block at the end, 16-byte stores (B = 4: 32 bytes, one whole sector of a
+// row; B = 2: half of one). The shipped kernel writes 8-byte pieces, 16 CTAs to a line,
+// and on an H200 those hold the compact kernel at about 0.138 ms whatever its
+// instructions (BENCHMARKS "What bounds NVFP4 both on an H200"). Swizzled scales keep
+// the shipped flush per tile. Shapes: multiples of 128 B.
+constexpr int BLK_MAX = 4;
+__shared__ uint32_t blk_row[128 * BLK_MAX][2 * BLK_MAX];  // rowwise scale bytes: block row r, tile column tc
+__shared__ uint32_t blk_col[128 * BLK_MAX][2 * BLK_MAX];  // columnwise: block column c, tile row tr
+template <int B> struct BlockedParts : BothParts {
+    static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
+        const unsigned t = opaque_tid();
+        if (a.swizzled) return flush_both_scales(s, a, R0, C0, t);
+        const unsigned tr = (unsigned)(R0 / 128) % B, tc = (unsigned)(C0 / 128) % B;
+        blk_row[tr * 128 + t / 2][2 * tc + t % 2] = reinterpret_cast<const uint32_t*>(&s.row[t / 2][0])[t % 2];
+        blk_col[tc * 128 + t / 2][2 * tr + t % 2] = reinterpret_cast<const uint32_t*>(&s.col[t / 2][0])[t % 2];
+    }
+};
+template <int B>
+__global__ void __launch_bounds__(256, 4) both_blocked(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
+    using T = __nv_bfloat16;
+    __shared__ BothShared sh;
+    __shared__ uint32_t s_it;
+    if (threadIdx.x == 0) s_it = 0;
+    pdl_wait();
+    both_tables(sh, a);  // both_tile's first barrier comes before any read of them
+    __syncthreads();     // s_it's first value
+#pragma unroll 1
+    for (;;) {
+        const uint32_t it = *reinterpret_cast<volatile uint32_t*>(&s_it);
+        if (it >= B * B) break;
+        const u64 R0 = ((u64)blockIdx.y * B + it / B) * 128, C0 = ((u64)blockIdx.x * B + it % B) * 128;
+        const BothLane l(opaque_tid());
+        BothTile<T> d;
+        const uint4* src = reinterpret_cast<const uint4*>(x + (R0 + l.rt) * a.k + C0 + l.ct);
+#pragma unroll
+        for (int r = 0; r < 8; ++r) d.u[r][0] = src[r * (a.k / 8)];
+        __syncthreads();  // every thread has read s_it
+        if (threadIdx.x == 0) *reinterpret_cast<volatile uint32_t*>(&s_it) = it + 1u;
+        both_tile<T, BlockedParts<B>>(d, l, R0, C0, true, a, sh);
+    }
+    if (a.swizzled) return;
+    __syncthreads();  // every tile's bytes are in blk_row / blk_col
+    // 128 B rows of 2 B words per grid, 4 words (16 bytes) a store.
+    constexpr int per_row = 2 * B / 4, n = 128 * B * per_row;
+    for (int i = opaque_tid(); i < 2 * n; i += 256) {
+        const bool rows = i < n;
+        const int j = rows ? i : i - n, r = j / per_row, q = j % per_row;
+        const uint32_t* w = &(rows ? blk_row : blk_col)[r][4 * q];
+        const u64 gr = (rows ? (u64)blockIdx.y : (u64)blockIdx.x) * 128 * B + r;
+        const u64 gc = (rows ? (u64)blockIdx.x : (u64)blockIdx.y) * 8 * B + 16 * q;
+        uint8_t* dst = (rows ? a.s_row : a.s_col) + gr * (rows ? a.s_row_cols : a.s_col_cols) + gc;
+        *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
 static CUtensorMap tile_map(const __nv_bfloat16* x, u64 M, u64 K) {
     CUtensorMap m;
     const cuuint64_t dims[2] = {K, M};
@@ -322,6 +381,22 @@ static void run_shape(u64 M, u64 K) {
                 sequence(both_pipe<Tensor>, gt, pdl, pdl ? "tensor copy, PDL" : "tensor copy", pg, map);
             }
         };
+        if (std::getenv("NP_BLOCKED") != nullptr) {
+            auto blocked = [&](auto kernel, int B, const char* label) {
+                const dim3 g((unsigned)(K / 128 / B), (unsigned)(M / 128 / B));
+                b.clear();
+                const float t = time_ms([&] { kernel<<<g, 256>>>(b.x, a); });
+                std::snprintf(name, sizeof name, "%s (%u CTAs)%s", label, g.x * g.y, swz ? ", swizzled" : "");
+                report_hashes(name, t, bytes, b.copy_gbs, b.outputs());
+            };
+            for (int pass = 0; pass < 3; ++pass) {
+                shipped();
+                pipe(both_pipe<Pipe<Copy::Direct, false>>, "no copies (the loop alone)");
+                blocked(both_blocked<2>, 2, "blocks of 2x2 tiles");
+                blocked(both_blocked<4>, 4, "blocks of 4x4 tiles");
+            }
+            continue;
+        }
         for (int pass = 0; pass < 2; ++pass) {
             shipped();
             pipe(both_pipe<Pipe<Copy::Rows, true>>, "row copies, fence");
