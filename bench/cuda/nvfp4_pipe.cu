@@ -395,6 +395,13 @@ static void run_shape(u64 M, u64 K) {
                 blocked(both_blocked<2>, 2, "blocks of 2x2 tiles");
                 blocked(both_blocked<4>, 4, "blocks of 4x4 tiles");
             }
+            for (int pdl = 0; pdl < 2; ++pdl) {
+                sequence(tessera_nvfp4_both_bf16, grid, pdl, pdl ? "shipped, PDL" : "shipped");
+                sequence(both_blocked<2>, dim3((unsigned)(K / 256), (unsigned)(M / 256)), pdl,
+                         pdl ? "blocks of 2x2, PDL" : "blocks of 2x2");
+                sequence(both_blocked<4>, dim3((unsigned)(K / 512), (unsigned)(M / 512)), pdl,
+                         pdl ? "blocks of 4x4, PDL" : "blocks of 4x4");
+            }
             continue;
         }
         for (int pass = 0; pass < 2; ++pass) {
