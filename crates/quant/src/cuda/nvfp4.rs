@@ -210,9 +210,10 @@ impl Amaxes {
 /// of 0.174 ms). The second kernel writes whole lines (0.0069 ms at 16384x8192, 0.87 of a
 /// copy, on an H100); two steps won 12-15% on an H100 at 2^25 values (8192x4096 0.0509
 /// against 0.0579 ms, 4096x8192 0.0487 against 0.0568), 17-19% above, and lost 0.8-1%
-/// at 4096x4096 (2^24), where the second launch costs about what the flush does (on an
-/// H200 the flush there cost only 0.0023 of 0.0199 ms). The H200's crossover has not been
-/// measured with this second kernel (BENCHMARKS, sessions 36 and 37).
+/// at 4096x4096 (2^24), where the second launch costs about what the flush does. The
+/// H200 agrees: two steps 12-19% faster from 2^25 values up (8192x4096 0.0376 against
+/// 0.0426 ms, 4096x8192 0.0364 against 0.0421, 16384x8192 0.1380 against 0.1734), 8%
+/// slower at 4096x4096 (0.0214 against 0.0198) (BENCHMARKS, sessions 36, 37 and 40).
 const TWO_STEP_2D_MIN_VALUES: usize = 1 << 25;
 
 /// Quantizes `x` into `out` (NVFP4, its usage's buffers).
