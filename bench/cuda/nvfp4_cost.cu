@@ -9,8 +9,8 @@
 // between the flush variants instead (whether one leaves the next kernel faster);
 // NC_ENC=1 times only the encoder variants (the fused lines and per-tensor tables among
 // them) and the former shifted-add packing, three rounds; NC_CROSS=1 the encoders with
-// each compact flush; NC_TWO_STEP=1 times compact scales written through a per-tile scratch and a
-// second kernel, whose bytes must hash as the shipped kernel's.
+// each compact flush; NC_TWO_STEP=1 compact scales written through a per-tile scratch
+// and a second kernel, whose bytes must hash as the shipped kernel's.
 // Build on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
 //        bench/cuda/nvfp4_cost.cu -o nc && ./nc

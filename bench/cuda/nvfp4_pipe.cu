@@ -15,8 +15,8 @@
 // quantizer's sequence (amax pass + kernel, plain and programmatic launches) of the
 // shipped kernel and the unfenced copies.
 // NP_BLOCKED=1 times instead the blocks of tiles whose compact scales leave in whole
-// sectors (both_blocked). Shapes that are multiples of 128 only (every tile full). bf16 inputs that take the
-// fast path everywhere; outputs hashed against the shipped kernel's.
+// sectors (both_blocked). Shapes that are multiples of 128 only (every tile full); bf16
+// inputs that take the fast path everywhere; outputs hashed against the shipped kernel's.
 // Build on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
 //        bench/cuda/nvfp4_pipe.cu -o np && ./np

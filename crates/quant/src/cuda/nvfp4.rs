@@ -211,7 +211,7 @@ impl Amaxes {
 /// copy, on an H100); two steps won 12-15% on an H100 at 2^25 values (8192x4096 0.0509
 /// against 0.0579 ms, 4096x8192 0.0487 against 0.0568), 17-19% above, and lost 0.8-1%
 /// at 4096x4096 (2^24), where the second launch costs about what the flush does. The
-/// H200 agrees: two steps 12-19% faster from 2^25 values up (8192x4096 0.0376 against
+/// H200 agrees: two steps 12-20% faster from 2^25 values up (8192x4096 0.0376 against
 /// 0.0426 ms, 4096x8192 0.0364 against 0.0421, 16384x8192 0.1380 against 0.1734), 8%
 /// slower at 4096x4096 (0.0214 against 0.0198) (BENCHMARKS, sessions 36, 37 and 40).
 const TWO_STEP_2D_MIN_VALUES: usize = 1 << 25;
