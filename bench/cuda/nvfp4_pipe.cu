@@ -382,8 +382,10 @@ static void run_shape(u64 M, u64 K) {
             }
         };
         if (std::getenv("NP_BLOCKED") != nullptr) {
+            // both_blocked<B>'s grid: a CTA a block of B x B tiles.
+            auto blocked_grid = [&](int B) { return dim3((unsigned)(K / 128 / B), (unsigned)(M / 128 / B)); };
             auto blocked = [&](auto kernel, int B, const char* label) {
-                const dim3 g((unsigned)(K / 128 / B), (unsigned)(M / 128 / B));
+                const dim3 g = blocked_grid(B);
                 b.clear();
                 const float t = time_ms([&] { kernel<<<g, 256>>>(b.x, a); });
                 std::snprintf(name, sizeof name, "%s (%u CTAs)%s", label, g.x * g.y, swz ? ", swizzled" : "");
@@ -397,10 +399,8 @@ static void run_shape(u64 M, u64 K) {
             }
             for (int pdl = 0; pdl < 2; ++pdl) {
                 sequence(tessera_nvfp4_both_bf16, grid, pdl, pdl ? "shipped, PDL" : "shipped");
-                sequence(both_blocked<2>, dim3((unsigned)(K / 256), (unsigned)(M / 256)), pdl,
-                         pdl ? "blocks of 2x2, PDL" : "blocks of 2x2");
-                sequence(both_blocked<4>, dim3((unsigned)(K / 512), (unsigned)(M / 512)), pdl,
-                         pdl ? "blocks of 4x4, PDL" : "blocks of 4x4");
+                sequence(both_blocked<2>, blocked_grid(2), pdl, pdl ? "blocks of 2x2, PDL" : "blocks of 2x2");
+                sequence(both_blocked<4>, blocked_grid(4), pdl, pdl ? "blocks of 4x4, PDL" : "blocks of 4x4");
             }
             continue;
         }
