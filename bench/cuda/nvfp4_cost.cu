@@ -9,7 +9,8 @@
 // between the flush variants instead (whether one leaves the next kernel faster);
 // NC_ENC=1 times only the encoder variants (the fused lines and per-tensor tables among
 // them) and the former shifted-add packing, three rounds; NC_CROSS=1 the encoders with
-// each compact flush; NC_TWO_STEP=1 compact scales written through a per-tile scratch
+// each compact flush; NC_CLUSTER=1 compact columnwise bytes gathered over thread block
+// clusters of tile rows; NC_TWO_STEP=1 compact scales written through a per-tile scratch
 // and a second kernel, whose bytes must hash as the shipped kernel's.
 // Build on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
@@ -259,6 +260,49 @@ __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) cost_var(const __nv_bflo
     nvfp4_both_impl<__nv_bfloat16, false, false, Parts>(x, a);
 }
 
+// Compact columnwise scale bytes gathered over a thread block cluster (NC_CLUSTER): the
+// CL CTAs of a cluster are CL consecutive tile rows of one tile column (the banded
+// order's bands are 8 tile rows, rows fastest, last first: cluster rank r holds tile
+// row offset CL - 1 - r), so together they own 8 CL consecutive bytes of each of their
+// 128 columns' scale rows: whole 32-byte sectors at CL = 4, two at CL = 8. After a
+// cluster barrier CTA q (its tile row offset) reads the staged bytes of columns
+// 128 q / CL .. + 128 / CL - 1 from all CL CTAs (ld.shared::cluster) and writes them as
+// consecutive words; a second barrier keeps every CTA's shared memory alive until the
+// others have read it. Rowwise bytes as shipped. Same bytes as the shipped flush.
+template <int CL> struct ClusterCols : BothParts {
+    static_assert(CL == 4 || CL == 8, "clusters of 4 or 8 tile rows (a band's height divides by them)");
+    static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
+        if (a.swizzled) return flush_both_scales(s, a, R0, C0);
+        Nvfp4Args b = a;
+        b.q_col = nullptr;
+        flush_both_scales(s, b, R0, C0);
+        const uint32_t q = (uint32_t)(R0 / 128) % CL;
+        if (q != CL - 1u - cluster_rank()) __trap();  // the order this relies on
+        cluster_arrive();
+        cluster_wait();
+        const int t = threadIdx.x, w = t % (2 * CL), j = w / 2;
+        const int cc = (128 / CL) * (int)q + t / (2 * CL);
+        uint32_t v;
+        asm volatile("ld.shared::cluster.u32 %0, [%1];"
+                     : "=r"(v)
+                     : "r"(cluster_addr(&s.col[cc][4 * (w % 2)], CL - 1u - (uint32_t)j))
+                     : "memory");
+        const u64 c = C0 + cc, ib = (R0 / 128 - q) * 8 + 4 * (u64)w;
+        if (a.q_col != nullptr && c < a.k && ib < a.m / 16)
+            *reinterpret_cast<uint32_t*>(a.s_col + c * a.s_col_cols + ib) = v;
+        cluster_arrive();
+        cluster_wait();
+    }
+};
+
+// The kernel launched in clusters of CL CTAs (harness shapes: whole bands, so no CTA
+// of a cluster returns early).
+template <class Parts, int CL>
+__global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(256, NVFP4_BOTH_MINB)
+    cost_cluster(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
+    nvfp4_both_impl<__nv_bfloat16, false, false, Parts>(x, a);
+}
+
 static void run_shape(u64 M, u64 K) {
     const Nvfp4Buffers b(M, K, true);
     const u64 n = b.n;
@@ -339,6 +383,22 @@ static void run_shape(u64 M, u64 K) {
                 run(cost_var<Cross<BothOneOp, PrefetchScales<0>>>, "both one op, lines prefetched");
             }
             if (!swz) run_two_step();
+            continue;
+        }
+        if (std::getenv("NC_CLUSTER") != nullptr) {
+            // Compact columnwise bytes gathered over clusters of 4 or 8 tile rows,
+            // against the launch in clusters alone and the bounds (no scale bytes,
+            // contiguous per CTA); three rounds.
+            for (int pass = 0; pass < 3; ++pass) {
+                run(tessera_nvfp4_both_bf16, "shipped");
+                run(cost_cluster<BothParts, 4>, "clusters of 4, shipped flush");
+                run(cost_cluster<BothParts, 8>, "clusters of 8, shipped flush");
+                if (swz) continue;
+                run(cost_cluster<ClusterCols<4>, 4>, "clusters of 4, columns gathered");
+                run(cost_cluster<ClusterCols<8>, 8>, "clusters of 8, columns gathered");
+                run(cost_var<ContiguousScales>, "contiguous per CTA (wrong places)");
+                run(cost_var<NoScales>, "no scale bytes");
+            }
             continue;
         }
         if (std::getenv("NC_ORDER") != nullptr) {
