@@ -9,8 +9,8 @@
 // between the flush variants instead (whether one leaves the next kernel faster);
 // NC_ENC=1 times only the encoder variants (the fused lines and per-tensor tables among
 // them) and the former shifted-add packing, three rounds; NC_CROSS=1 the encoders with
-// each compact flush; NC_CLUSTER=1 compact columnwise bytes gathered over thread block
-// clusters of tile rows; NC_TWO_STEP=1 compact scales written through a per-tile scratch
+// each compact flush; NC_CLUSTER=1 compact scale bytes gathered over thread block
+// clusters of tiles; NC_TWO_STEP=1 compact scales written through a per-tile scratch
 // and a second kernel, whose bytes must hash as the shipped kernel's.
 // Build on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
@@ -295,6 +295,52 @@ template <int CL> struct ClusterCols : BothParts {
     }
 };
 
+// Both grids' compact bytes gathered over a cluster of CR x CC tiles (NC_CLUSTER, 1-D
+// clusters of CR CC CTAs launched with a cluster attribute; harness shapes: multiples of
+// 4 tiles each way). Rank r takes tile row offset r % CR and column offset r / CR of its
+// cluster's block; the clusters run in the banded order's manner (bands of 8 tile rows,
+// rows fastest, last first). After a cluster barrier CTA r writes words 256 r .. 256 r +
+// 255 of the block's rowwise bytes (128 CR rows of 2 CC words: 8 CC consecutive bytes a
+// row) and of its columnwise ones (128 CC columns of 2 CR words), each word read from the
+// CTA that staged it; a second barrier before exit. Same bytes as the shipped flush.
+template <int CR, int CC> struct Cluster2D : BothParts {
+    static constexpr uint32_t N = CR * CC;
+    static __device__ __forceinline__ TileRC tile(uint32_t gx) {
+        const uint32_t r = cluster_rank(), clusters = gridDim.x / N;
+        const uint32_t bh = 8 / CR, cgx = gx / CR, cgy = clusters / cgx;  // cluster rows a band
+        const uint32_t n = clusters - 1u - blockIdx.x / N, band = n / (cgy * bh), x = n % (cgy * bh);
+        return {(band * bh + x % bh) * CR + r % CR, (x / bh) * CC + r / CR};
+    }
+    static __device__ __forceinline__ uint32_t peer(const void* p, uint32_t rank) {
+        uint32_t v;
+        asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(cluster_addr(p, rank)) : "memory");
+        return v;
+    }
+    static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
+        if (a.swizzled) return flush_both_scales(s, a, R0, C0);
+        cluster_arrive();
+        cluster_wait();
+        const uint32_t me = cluster_rank(), n = 256 * me + threadIdx.x;
+        const u64 Rb = R0 - (me % CR) * 128, Cb = C0 - (me / CR) * 128;
+        {
+            const uint32_t rr = n / (2 * CC), ww = n % (2 * CC);
+            const uint32_t v = peer(&s.row[rr % 128][4 * (ww % 2)], rr / 128 + CR * (ww / 2));
+            const u64 r = Rb + rr, jb = Cb / 16 + 4 * (u64)ww;
+            if (a.q_row != nullptr && r < a.m && jb < a.k / 16)
+                *reinterpret_cast<uint32_t*>(a.s_row + r * a.s_row_cols + jb) = v;
+        }
+        {
+            const uint32_t cc = n / (2 * CR), ww = n % (2 * CR);
+            const uint32_t v = peer(&s.col[cc % 128][4 * (ww % 2)], ww / 2 + CR * (cc / 128));
+            const u64 c = Cb + cc, ib = Rb / 16 + 4 * (u64)ww;
+            if (a.q_col != nullptr && c < a.k && ib < a.m / 16)
+                *reinterpret_cast<uint32_t*>(a.s_col + c * a.s_col_cols + ib) = v;
+        }
+        cluster_arrive();
+        cluster_wait();
+    }
+};
+
 // The kernel launched in clusters of CL CTAs (harness shapes: whole bands, so no CTA
 // of a cluster returns early).
 template <class Parts, int CL>
@@ -316,6 +362,26 @@ static void run_shape(u64 M, u64 K) {
         auto run = [&](auto kernel, const char* label) {
             b.clear();
             const float t = time_ms([&] { kernel<<<grid, 256>>>(b.x, a); });
+            char name[96];
+            std::snprintf(name, sizeof name, "%s%s", label, swz ? ", swizzled" : "");
+            report_hashes(name, t, bytes, b.copy_gbs, b.outputs());
+        };
+        // A kernel of 1-D clusters of `size` CTAs over the tiles, one CTA a tile
+        // (Cluster2D's own order).
+        auto run_clusters = [&](auto kernel, unsigned size, const char* label) {
+            if (size > 8) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+            cudaLaunchAttribute at[1];
+            at[0].id = cudaLaunchAttributeClusterDimension;
+            at[0].val.clusterDim.x = size;
+            at[0].val.clusterDim.y = 1;
+            at[0].val.clusterDim.z = 1;
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = dim3((unsigned)((M / 128) * (K / 128)));
+            cfg.blockDim = dim3(256);
+            cfg.attrs = at;
+            cfg.numAttrs = 1;
+            b.clear();
+            const float t = time_ms([&] { CK(cudaLaunchKernelEx(&cfg, kernel, (const __nv_bfloat16*)b.x, a)); });
             char name[96];
             std::snprintf(name, sizeof name, "%s%s", label, swz ? ", swizzled" : "");
             report_hashes(name, t, bytes, b.copy_gbs, b.outputs());
@@ -386,9 +452,10 @@ static void run_shape(u64 M, u64 K) {
             continue;
         }
         if (std::getenv("NC_CLUSTER") != nullptr) {
-            // Compact columnwise bytes gathered over clusters of 4 or 8 tile rows,
-            // against the launch in clusters alone and the bounds (no scale bytes,
-            // contiguous per CTA); three rounds.
+            // Compact columnwise bytes gathered over clusters of 4 or 8 tile rows, both
+            // grids' over clusters of 4x2, 2x4 and 4x4 tiles, against the launch in
+            // clusters alone and the bounds (no scale bytes, contiguous per CTA); three
+            // rounds.
             for (int pass = 0; pass < 3; ++pass) {
                 run(tessera_nvfp4_both_bf16, "shipped");
                 run(cost_cluster<BothParts, 4>, "clusters of 4, shipped flush");
@@ -396,6 +463,9 @@ static void run_shape(u64 M, u64 K) {
                 if (swz) continue;
                 run(cost_cluster<ClusterCols<4>, 4>, "clusters of 4, columns gathered");
                 run(cost_cluster<ClusterCols<8>, 8>, "clusters of 8, columns gathered");
+                run_clusters(cost_var<Cluster2D<4, 2>>, 8, "clusters of 4x2 tiles, both gathered");
+                run_clusters(cost_var<Cluster2D<2, 4>>, 8, "clusters of 2x4 tiles, both gathered");
+                run_clusters(cost_var<Cluster2D<4, 4>>, 16, "clusters of 4x4 tiles, both gathered");
                 run(cost_var<ContiguousScales>, "contiguous per CTA (wrong places)");
                 run(cost_var<NoScales>, "no scale bytes");
             }

@@ -569,8 +569,10 @@ __device__ __forceinline__ void both_tables(BothShared& sh, const Nvfp4Args& a) 
 // (in a type derived from this one) to measure what each costs: what a CTA does before
 // its loads, the fill of the encode-scale tables, the fast path's encoders of 8 values
 // times g to E2M1 magnitudes, columnwise and rowwise, and the flush of the staged scale
-// bytes. The library instantiates only these.
+// bytes; the tile a CTA takes. The library instantiates only these.
 struct BothParts {
+    // The CTA's tile, given gx tile rows.
+    static __device__ __forceinline__ TileRC tile(uint32_t gx) { return tile_banded(gx); }
     static __device__ __forceinline__ void start(const Nvfp4Args&, u64, u64) {}
     static __device__ __forceinline__ void tables(BothShared& sh, const Nvfp4Args& a) { both_tables(sh, a); }
     static __device__ __forceinline__ uint32_t col_magnitudes(const float* v, float g) { return e2m1x8_magnitudes(v, g); }
@@ -1087,7 +1089,7 @@ template <class T, bool Rht = false, bool Sr = false, class Parts = BothParts, c
 __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a, const Tiles tiles = Tiles{}) {
     copy_amax(a);
     const BothLane l;
-    const TileRC tile = tile_banded((uint32_t)((a.m + 127) / 128));
+    const TileRC tile = Parts::tile((uint32_t)((a.m + 127) / 128));
     const u64 R0 = (u64)tile.row * 128, C0 = (u64)tile.col * 128;  // the CTA's tile
     if (R0 >= a.m) return;  // past the last band's rows (the whole CTA)
     Parts::start(a, R0, C0);
