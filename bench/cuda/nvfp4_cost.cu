@@ -269,6 +269,14 @@ __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) cost_var(const __nv_bflo
 // 128 q / CL .. + 128 / CL - 1 from all CL CTAs (ld.shared::cluster) and writes them as
 // consecutive words; a second barrier keeps every CTA's shared memory alive until the
 // others have read it. Rowwise bytes as shipped. Same bytes as the shipped flush.
+// The 4-byte word at p (a shared address of this CTA) in cluster CTA `rank`'s shared
+// memory.
+__device__ __forceinline__ uint32_t ld_peer_u32(const void* p, uint32_t rank) {
+    uint32_t v;
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(cluster_addr(p, rank)) : "memory");
+    return v;
+}
+
 template <int CL> struct ClusterCols : BothParts {
     static_assert(CL == 4 || CL == 8, "clusters of 4 or 8 tile rows (a band's height divides by them)");
     static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
@@ -282,11 +290,7 @@ template <int CL> struct ClusterCols : BothParts {
         cluster_wait();
         const int t = threadIdx.x, w = t % (2 * CL), j = w / 2;
         const int cc = (128 / CL) * (int)q + t / (2 * CL);
-        uint32_t v;
-        asm volatile("ld.shared::cluster.u32 %0, [%1];"
-                     : "=r"(v)
-                     : "r"(cluster_addr(&s.col[cc][4 * (w % 2)], CL - 1u - (uint32_t)j))
-                     : "memory");
+        const uint32_t v = ld_peer_u32(&s.col[cc][4 * (w % 2)], CL - 1u - (uint32_t)j);
         const u64 c = C0 + cc, ib = (R0 / 128 - q) * 8 + 4 * (u64)w;
         if (a.q_col != nullptr && c < a.k && ib < a.m / 16)
             *reinterpret_cast<uint32_t*>(a.s_col + c * a.s_col_cols + ib) = v;
@@ -311,11 +315,6 @@ template <int CR, int CC> struct Cluster2D : BothParts {
         const uint32_t n = clusters - 1u - blockIdx.x / N, band = n / (cgy * bh), x = n % (cgy * bh);
         return {(band * bh + x % bh) * CR + r % CR, (x / bh) * CC + r / CR};
     }
-    static __device__ __forceinline__ uint32_t peer(const void* p, uint32_t rank) {
-        uint32_t v;
-        asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(cluster_addr(p, rank)) : "memory");
-        return v;
-    }
     static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
         if (a.swizzled) return flush_both_scales(s, a, R0, C0);
         cluster_arrive();
@@ -324,14 +323,14 @@ template <int CR, int CC> struct Cluster2D : BothParts {
         const u64 Rb = R0 - (me % CR) * 128, Cb = C0 - (me / CR) * 128;
         {
             const uint32_t rr = n / (2 * CC), ww = n % (2 * CC);
-            const uint32_t v = peer(&s.row[rr % 128][4 * (ww % 2)], rr / 128 + CR * (ww / 2));
+            const uint32_t v = ld_peer_u32(&s.row[rr % 128][4 * (ww % 2)], rr / 128 + CR * (ww / 2));
             const u64 r = Rb + rr, jb = Cb / 16 + 4 * (u64)ww;
             if (a.q_row != nullptr && r < a.m && jb < a.k / 16)
                 *reinterpret_cast<uint32_t*>(a.s_row + r * a.s_row_cols + jb) = v;
         }
         {
             const uint32_t cc = n / (2 * CR), ww = n % (2 * CR);
-            const uint32_t v = peer(&s.col[cc % 128][4 * (ww % 2)], ww / 2 + CR * (cc / 128));
+            const uint32_t v = ld_peer_u32(&s.col[cc % 128][4 * (ww % 2)], ww / 2 + CR * (cc / 128));
             const u64 c = Cb + cc, ib = Rb / 16 + 4 * (u64)ww;
             if (a.q_col != nullptr && c < a.k && ib < a.m / 16)
                 *reinterpret_cast<uint32_t*>(a.s_col + c * a.s_col_cols + ib) = v;
