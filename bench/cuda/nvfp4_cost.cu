@@ -260,15 +260,6 @@ __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) cost_var(const __nv_bflo
     nvfp4_both_impl<__nv_bfloat16, false, false, Parts>(x, a);
 }
 
-// Compact columnwise scale bytes gathered over a thread block cluster (NC_CLUSTER): the
-// CL CTAs of a cluster are CL consecutive tile rows of one tile column (the banded
-// order's bands are 8 tile rows, rows fastest, last first: cluster rank r holds tile
-// row offset CL - 1 - r), so together they own 8 CL consecutive bytes of each of their
-// 128 columns' scale rows: whole 32-byte sectors at CL = 4, two at CL = 8. After a
-// cluster barrier CTA q (its tile row offset) reads the staged bytes of columns
-// 128 q / CL .. + 128 / CL - 1 from all CL CTAs (ld.shared::cluster) and writes them as
-// consecutive words; a second barrier keeps every CTA's shared memory alive until the
-// others have read it. Rowwise bytes as shipped. Same bytes as the shipped flush.
 // The 4-byte word at p (a shared address of this CTA) in cluster CTA `rank`'s shared
 // memory.
 __device__ __forceinline__ uint32_t ld_peer_u32(const void* p, uint32_t rank) {
@@ -277,37 +268,13 @@ __device__ __forceinline__ uint32_t ld_peer_u32(const void* p, uint32_t rank) {
     return v;
 }
 
-template <int CL> struct ClusterCols : BothParts {
-    static_assert(CL == 4 || CL == 8, "clusters of 4 or 8 tile rows (a band's height divides by them)");
-    static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
-        if (a.swizzled) return flush_both_scales(s, a, R0, C0);
-        Nvfp4Args b = a;
-        b.q_col = nullptr;
-        flush_both_scales(s, b, R0, C0);
-        const uint32_t q = (uint32_t)(R0 / 128) % CL;
-        if (q != CL - 1u - cluster_rank()) __trap();  // the order this relies on
-        cluster_arrive();
-        cluster_wait();
-        const int t = threadIdx.x, w = t % (2 * CL), j = w / 2;
-        const int cc = (128 / CL) * (int)q + t / (2 * CL);
-        const uint32_t v = ld_peer_u32(&s.col[cc][4 * (w % 2)], CL - 1u - (uint32_t)j);
-        const u64 c = C0 + cc, ib = (R0 / 128 - q) * 8 + 4 * (u64)w;
-        if (a.q_col != nullptr && c < a.k && ib < a.m / 16)
-            *reinterpret_cast<uint32_t*>(a.s_col + c * a.s_col_cols + ib) = v;
-        cluster_arrive();
-        cluster_wait();
-    }
-};
-
-// Both grids' compact bytes gathered over a cluster of CR x CC tiles (NC_CLUSTER, 1-D
-// clusters of CR CC CTAs launched with a cluster attribute; harness shapes: multiples of
-// 4 tiles each way). Rank r takes tile row offset r % CR and column offset r / CR of its
-// cluster's block; the clusters run in the banded order's manner (bands of 8 tile rows,
-// rows fastest, last first). After a cluster barrier CTA r writes words 256 r .. 256 r +
-// 255 of the block's rowwise bytes (128 CR rows of 2 CC words: 8 CC consecutive bytes a
-// row) and of its columnwise ones (128 CC columns of 2 CR words), each word read from the
-// CTA that staged it; a second barrier before exit. Same bytes as the shipped flush.
-template <int CR, int CC> struct Cluster2D : BothParts {
+// Tiles by cluster (NC_CLUSTER: a 1-D grid of one CTA a tile in 1-D clusters of CR CC
+// CTAs, launched with a cluster attribute; harness shapes: multiples of 8 tiles each
+// way). Rank r takes tile row offset r % CR and column offset r / CR of its cluster's
+// CR x CC block of tiles; the clusters run in the banded order's manner (bands of 8
+// tile rows, rows fastest, last first). The shipped flush: what the cluster launch
+// alone costs.
+template <int CR, int CC> struct ClusterOrder : BothParts {
     static constexpr uint32_t N = CR * CC;
     static __device__ __forceinline__ TileRC tile(uint32_t gx) {
         const uint32_t r = cluster_rank(), clusters = gridDim.x / N;
@@ -315,6 +282,16 @@ template <int CR, int CC> struct Cluster2D : BothParts {
         const uint32_t n = clusters - 1u - blockIdx.x / N, band = n / (cgy * bh), x = n % (cgy * bh);
         return {(band * bh + x % bh) * CR + r % CR, (x / bh) * CC + r / CR};
     }
+};
+
+// Both grids' compact bytes gathered over the cluster's block: after a cluster barrier
+// CTA r writes words 256 r .. 256 r + 255 of the block's rowwise bytes (128 CR rows of
+// 2 CC words: 8 CC consecutive bytes a row) and of its columnwise ones (128 CC columns
+// of 2 CR words: 8 CR bytes), each word read from the CTA that staged it; a second
+// barrier keeps every CTA's shared memory alive until the others have read it. With
+// CC = 1 only the columnwise bytes are gathered (each CTA writes its own rowwise words,
+// as the shipped flush does). Same bytes as the shipped flush.
+template <int CR, int CC> struct Cluster2D : ClusterOrder<CR, CC> {
     static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
         if (a.swizzled) return flush_both_scales(s, a, R0, C0);
         cluster_arrive();
@@ -340,14 +317,6 @@ template <int CR, int CC> struct Cluster2D : BothParts {
     }
 };
 
-// The kernel launched in clusters of CL CTAs (harness shapes: whole bands, so no CTA
-// of a cluster returns early).
-template <class Parts, int CL>
-__global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(256, NVFP4_BOTH_MINB)
-    cost_cluster(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
-    nvfp4_both_impl<__nv_bfloat16, false, false, Parts>(x, a);
-}
-
 static void run_shape(u64 M, u64 K) {
     const Nvfp4Buffers b(M, K, true);
     const u64 n = b.n;
@@ -366,7 +335,7 @@ static void run_shape(u64 M, u64 K) {
             report_hashes(name, t, bytes, b.copy_gbs, b.outputs());
         };
         // A kernel of 1-D clusters of `size` CTAs over the tiles, one CTA a tile
-        // (Cluster2D's own order).
+        // (ClusterOrder's order).
         auto run_clusters = [&](auto kernel, unsigned size, const char* label) {
             if (size > 8) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
             cudaLaunchAttribute at[1];
@@ -457,11 +426,11 @@ static void run_shape(u64 M, u64 K) {
             // rounds.
             for (int pass = 0; pass < 3; ++pass) {
                 run(tessera_nvfp4_both_bf16, "shipped");
-                run(cost_cluster<BothParts, 4>, "clusters of 4, shipped flush");
-                run(cost_cluster<BothParts, 8>, "clusters of 8, shipped flush");
+                run_clusters(cost_var<ClusterOrder<4, 1>>, 4, "clusters of 4x1 tiles, shipped flush");
+                run_clusters(cost_var<ClusterOrder<4, 4>>, 16, "clusters of 4x4 tiles, shipped flush");
                 if (swz) continue;
-                run(cost_cluster<ClusterCols<4>, 4>, "clusters of 4, columns gathered");
-                run(cost_cluster<ClusterCols<8>, 8>, "clusters of 8, columns gathered");
+                run_clusters(cost_var<Cluster2D<4, 1>>, 4, "clusters of 4x1 tiles, columns gathered");
+                run_clusters(cost_var<Cluster2D<8, 1>>, 8, "clusters of 8x1 tiles, columns gathered");
                 run_clusters(cost_var<Cluster2D<4, 2>>, 8, "clusters of 4x2 tiles, both gathered");
                 run_clusters(cost_var<Cluster2D<2, 4>>, 8, "clusters of 2x4 tiles, both gathered");
                 run_clusters(cost_var<Cluster2D<4, 4>>, 16, "clusters of 4x4 tiles, both gathered");
