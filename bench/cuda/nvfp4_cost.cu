@@ -327,12 +327,16 @@ static void run_shape(u64 M, u64 K) {
         a.swizzled = swz;
         fill_tables<<<1, 256>>>(a);
         CK(cudaGetLastError());
-        auto run = [&](auto kernel, const char* label) {
+        // Times `launch` on cleared outputs and reports it with the outputs' hashes.
+        auto timed = [&](const char* label, auto launch) {
             b.clear();
-            const float t = time_ms([&] { kernel<<<grid, 256>>>(b.x, a); });
+            const float t = time_ms(launch);
             char name[96];
             std::snprintf(name, sizeof name, "%s%s", label, swz ? ", swizzled" : "");
             report_hashes(name, t, bytes, b.copy_gbs, b.outputs());
+        };
+        auto run = [&](auto kernel, const char* label) {
+            timed(label, [&] { kernel<<<grid, 256>>>(b.x, a); });
         };
         // A kernel of 1-D clusters of `size` CTAs over the tiles, one CTA a tile
         // (ClusterOrder's order).
@@ -348,11 +352,7 @@ static void run_shape(u64 M, u64 K) {
             cfg.blockDim = dim3(256);
             cfg.attrs = at;
             cfg.numAttrs = 1;
-            b.clear();
-            const float t = time_ms([&] { CK(cudaLaunchKernelEx(&cfg, kernel, (const __nv_bfloat16*)b.x, a)); });
-            char name[96];
-            std::snprintf(name, sizeof name, "%s%s", label, swz ? ", swizzled" : "");
-            report_hashes(name, t, bytes, b.copy_gbs, b.outputs());
+            timed(label, [&] { CK(cudaLaunchKernelEx(&cfg, kernel, (const __nv_bfloat16*)b.x, a)); });
         };
         // The two-step compact scales, timed as one (both launches), hashed against
         // the shipped kernel's.
