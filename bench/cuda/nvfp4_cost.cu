@@ -260,14 +260,6 @@ __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) cost_var(const __nv_bflo
     nvfp4_both_impl<__nv_bfloat16, false, false, Parts>(x, a);
 }
 
-// The 4-byte word at p (a shared address of this CTA) in cluster CTA `rank`'s shared
-// memory.
-__device__ __forceinline__ uint32_t ld_peer_u32(const void* p, uint32_t rank) {
-    uint32_t v;
-    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(cluster_addr(p, rank)) : "memory");
-    return v;
-}
-
 // Tiles by cluster (NC_CLUSTER: a 1-D grid of one CTA a tile in 1-D clusters of CR CC
 // CTAs, launched with a cluster attribute; harness shapes: multiples of 8 tiles each
 // way). Rank r takes tile row offset r % CR and column offset r / CR of its cluster's
@@ -300,14 +292,14 @@ template <int CR, int CC> struct Cluster2D : ClusterOrder<CR, CC> {
         const u64 Rb = R0 - (me % CR) * 128, Cb = C0 - (me / CR) * 128;
         {
             const uint32_t rr = n / (2 * CC), ww = n % (2 * CC);
-            const uint32_t v = ld_peer_u32(&s.row[rr % 128][4 * (ww % 2)], rr / 128 + CR * (ww / 2));
+            const uint32_t v = ld_cluster_u32(&s.row[rr % 128][4 * (ww % 2)], rr / 128 + CR * (ww / 2));
             const u64 r = Rb + rr, jb = Cb / 16 + 4 * (u64)ww;
             if (a.q_row != nullptr && r < a.m && jb < a.k / 16)
                 *reinterpret_cast<uint32_t*>(a.s_row + r * a.s_row_cols + jb) = v;
         }
         {
             const uint32_t cc = n / (2 * CR), ww = n % (2 * CR);
-            const uint32_t v = ld_peer_u32(&s.col[cc % 128][4 * (ww % 2)], ww / 2 + CR * (cc / 128));
+            const uint32_t v = ld_cluster_u32(&s.col[cc % 128][4 * (ww % 2)], ww / 2 + CR * (cc / 128));
             const u64 c = Cb + cc, ib = Rb / 16 + 4 * (u64)ww;
             if (a.q_col != nullptr && c < a.k && ib < a.m / 16)
                 *reinterpret_cast<uint32_t*>(a.s_col + c * a.s_col_cols + ib) = v;

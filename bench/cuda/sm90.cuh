@@ -86,6 +86,14 @@ __device__ __forceinline__ float ld_cluster_f32(const float* p, uint32_t rank) {
     return v;
 }
 
+// The 4-byte word at p (a __shared__ address of this CTA) in the shared memory of cluster
+// CTA `rank`.
+__device__ __forceinline__ uint32_t ld_cluster_u32(const void* p, uint32_t rank) {
+    uint32_t v;
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(cluster_addr(p, rank)) : "memory");
+    return v;
+}
+
 // v into the float at p in cluster CTA `rank`'s shared memory, completing 4 bytes of the
 // transaction count of that CTA's mbarrier at bar (both addresses given as this CTA's).
 __device__ __forceinline__ void st_async_f32(const float* p, uint32_t rank, float v, const uint64_t* bar) {
