@@ -11,7 +11,8 @@
 // them) and the former shifted-add packing, three rounds; NC_CROSS=1 the encoders with
 // each compact flush; NC_CLUSTER=1 compact scale bytes gathered over thread block
 // clusters of tiles; NC_TWO_STEP=1 compact scales written through a per-tile scratch
-// and a second kernel, whose bytes must hash as the shipped kernel's.
+// and a second kernel, whose bytes must hash as the shipped kernel's; NC_PLACE=1 the
+// shipped flush launched in clusters of 16 and 8 tiles.
 // Build on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
 //        bench/cuda/nvfp4_cost.cu -o nc && ./nc
@@ -426,6 +427,21 @@ static void run_shape(u64 M, u64 K) {
                 run_clusters(cost_var<Cluster2D<4, 2>>, 8, "clusters of 4x2 tiles, both gathered");
                 run_clusters(cost_var<Cluster2D<2, 4>>, 8, "clusters of 2x4 tiles, both gathered");
                 run_clusters(cost_var<Cluster2D<4, 4>>, 16, "clusters of 4x4 tiles, both gathered");
+                run(cost_var<ContiguousScales>, "contiguous per CTA (wrong places)");
+                run(cost_var<NoScales>, "no scale bytes");
+            }
+            continue;
+        }
+        if (std::getenv("NC_PLACE") != nullptr) {
+            // The shipped flush launched in clusters of 16 tiles (8x2, 4x4, 2x8) and 8
+            // (4x2), against the shipped kernel and the bounds; three rounds.
+            for (int pass = 0; pass < 3; ++pass) {
+                run(tessera_nvfp4_both_bf16, "shipped");
+                run_clusters(cost_var<ClusterOrder<8, 2>>, 16, "clusters of 8x2 tiles, shipped flush");
+                run_clusters(cost_var<ClusterOrder<4, 4>>, 16, "clusters of 4x4 tiles, shipped flush");
+                run_clusters(cost_var<ClusterOrder<2, 8>>, 16, "clusters of 2x8 tiles, shipped flush");
+                run_clusters(cost_var<ClusterOrder<4, 2>>, 8, "clusters of 4x2 tiles, shipped flush");
+                if (swz) continue;
                 run(cost_var<ContiguousScales>, "contiguous per CTA (wrong places)");
                 run(cost_var<NoScales>, "no scale bytes");
             }
