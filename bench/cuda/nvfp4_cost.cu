@@ -12,7 +12,8 @@
 // each compact flush; NC_CLUSTER=1 compact scale bytes gathered over thread block
 // clusters of tiles; NC_TWO_STEP=1 compact scales written through a per-tile scratch
 // and a second kernel, whose bytes must hash as the shipped kernel's; NC_PLACE=1 the
-// shipped flush launched in clusters of 16 and 8 tiles.
+// shipped flush launched in clusters of 16 and 8 tiles; NC_LEAN=1 leaner prologues (one
+// encode-scale table filled by warps 0-3, loads behind a branch), same bytes.
 // Build on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
 //        bench/cuda/nvfp4_cost.cu -o nc && ./nc
@@ -256,6 +257,58 @@ template <class Enc, class Flush> struct Cross : Enc {
     }
 };
 
+// A leaner prologue (NC_LEAN): fewer instructions before the encoders, same bytes.
+// One table: without the RHT both orientations share one global amax (amax_row ==
+// amax_col), so their encode-scale tables are equal; threads 0-127 fill both and warps
+// 4-7 skip the fill (about 60 instructions a warp: the division, two reciprocals).
+__device__ __forceinline__ void one_table(BothShared& sh, const Nvfp4Args& a) {
+    const bool one = a.amax_row == a.amax_col;
+    const int o = threadIdx.x >> 7, e = threadIdx.x & 127;
+    if (one && o != 0) return;
+    const uint8_t* q = o ? a.q_col : a.q_row;
+    const float se = one || q != nullptr ? global_encode_scale((o ? a.amax_col : a.amax_row)[0]) : 1.0f;
+    const float2 t = block_table_entry(e, __frcp_rn(se));
+    sh.tab[o][e] = t;
+    if (one) sh.tab[1][e] = t;
+    if (e == 0) {
+        sh.se[o] = se;
+        if (one) sh.se[1] = se;
+    }
+}
+struct OneTable : BothParts {
+    static __device__ __forceinline__ void tables(BothShared& sh, const Nvfp4Args& a) { one_table(sh, a); }
+};
+// Loads behind one branch, each row's address one add from the last (the shipped form
+// computes 8 addresses by wide multiplies and zeroes the tile before predicated loads).
+template <class T>
+__device__ __forceinline__ void lean_load(BothTile<T>& d, const T* __restrict__ x, u64 r0, u64 col, bool valid,
+                                          const Nvfp4Args& a) {
+    if (valid) {
+        const char* p = reinterpret_cast<const char*>(x + r0 * a.k + col);
+        const u64 stride = a.k * sizeof(T);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int w = 0; w < BothTile<T>::W; ++w)
+                d.u[i][w] = __ldg(reinterpret_cast<const uint4*>(p + i * stride) + w);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int w = 0; w < BothTile<T>::W; ++w) d.u[i][w] = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+struct LeanLoads : BothParts {
+    template <class T>
+    static __device__ __forceinline__ void load(BothTile<T>& d, const T* __restrict__ x, u64 r0, u64 col, bool valid,
+                                                const Nvfp4Args& a) {
+        lean_load(d, x, r0, col, valid, a);
+    }
+};
+struct Lean : LeanLoads {
+    static __device__ __forceinline__ void tables(BothShared& sh, const Nvfp4Args& a) { one_table(sh, a); }
+};
+
 template <class Parts>
 __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) cost_var(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
     nvfp4_both_impl<__nv_bfloat16, false, false, Parts>(x, a);
@@ -429,6 +482,16 @@ static void run_shape(u64 M, u64 K) {
                 run_clusters(cost_var<Cluster2D<4, 4>>, 16, "clusters of 4x4 tiles, both gathered");
                 run(cost_var<ContiguousScales>, "contiguous per CTA (wrong places)");
                 run(cost_var<NoScales>, "no scale bytes");
+            }
+            continue;
+        }
+        if (std::getenv("NC_LEAN") != nullptr) {
+            // The leaner prologues against the shipped kernel; three rounds.
+            for (int pass = 0; pass < 3; ++pass) {
+                run(tessera_nvfp4_both_bf16, "shipped");
+                run(cost_var<OneTable>, "one table, warps 4-7 skip the fill");
+                run(cost_var<LeanLoads>, "loads behind a branch, addresses by adds");
+                run(cost_var<Lean>, "both");
             }
             continue;
         }

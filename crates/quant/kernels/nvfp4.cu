@@ -567,13 +567,25 @@ __device__ __forceinline__ void both_tables(BothShared& sh, const Nvfp4Args& a) 
 
 // The parts of the round-to-nearest both kernel that bench/cuda/nvfp4_cost.cu replaces
 // (in a type derived from this one) to measure what each costs: what a CTA does before
-// its loads, the fill of the encode-scale tables, the fast path's encoders of 8 values
+// its loads, the loads, the fill of the encode-scale tables, the fast path's encoders of 8 values
 // times g to E2M1 magnitudes, columnwise and rowwise, and the flush of the staged scale
 // bytes; the tile a CTA takes. The library instantiates only these.
 struct BothParts {
     // The CTA's tile, given gx tile rows.
     static __device__ __forceinline__ TileRC tile(uint32_t gx) { return tile_banded(gx); }
     static __device__ __forceinline__ void start(const Nvfp4Args&, u64, u64) {}
+    // The lane's 8 rows of 8 values from (r0, col) (zeros when !valid).
+    template <class T>
+    static __device__ __forceinline__ void load(BothTile<T>& d, const T* __restrict__ x, u64 r0, u64 col, bool valid,
+                                                const Nvfp4Args& a) {
+        const uint4* src = reinterpret_cast<const uint4*>(x + r0 * a.k + col);
+        const u64 row_vectors = a.k * sizeof(T) / 16;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int w = 0; w < BothTile<T>::W; ++w)
+                d.u[i][w] = valid ? src[i * row_vectors + w] : make_uint4(0u, 0u, 0u, 0u);
+    }
     static __device__ __forceinline__ void tables(BothShared& sh, const Nvfp4Args& a) { both_tables(sh, a); }
     static __device__ __forceinline__ uint32_t col_magnitudes(const float* v, float g) { return e2m1x8_magnitudes(v, g); }
     static __device__ __forceinline__ uint32_t row_magnitudes(const float* v, float g) { return e2m1x8_magnitudes(v, g); }
@@ -1098,13 +1110,7 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a, cons
     // shuffles below pair valid lanes with valid lanes.
     const bool valid = r0 < a.m && col < a.k;
     BothTile<T> d;
-    const uint4* src = reinterpret_cast<const uint4*>(x + r0 * a.k + col);
-    const u64 row_vectors = a.k * sizeof(T) / 16;
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int w = 0; w < BothTile<T>::W; ++w)
-            d.u[i][w] = valid ? src[i * row_vectors + w] : make_uint4(0u, 0u, 0u, 0u);
+    Parts::load(d, x, r0, col, valid, a);
     pdl_wait();  // the global amaxes come from the kernel before
     if constexpr (sizeof(T) == 4) {
         // f32 inputs: the general path, scale bytes stored directly by one lane of a pair.
