@@ -11,6 +11,7 @@ use std::fmt::Write as _;
 
 use tessera_core::cuda::{CudaDevice, EventTimer, device};
 use tessera_core::{DType, Device, Result, Shape, Tensor, bf16};
+use tessera_quant::cuda::{Nvfp4Launch, set_nvfp4_launch};
 use tessera_quant::{
     BlockDim, BufferName, Fp8BlockQuantizer, Fp8CurrentScaling, Fp8DelayedScaling, Fp8Format,
     Mxfp8Quantizer, Nvfp4Quantizer, QuantizedTensor, Quantizer, Usage,
@@ -123,8 +124,22 @@ struct Args {
     /// padding's clearing too.
     #[arg(long = "shape", value_parser = parse_shape)]
     shapes: Vec<(usize, usize)>,
+    /// How the NVFP4 both kernel launches on the tensors it may launch in clusters
+    /// (`tessera_quant::cuda::Nvfp4Launch`): auto, clusters or bands.
+    #[arg(long, value_parser = parse_launch, default_value = "auto")]
+    nvfp4_launch: Nvfp4Launch,
     #[arg(long, hide = true)]
     bench: bool,
+}
+
+/// An [`Nvfp4Launch`] by name.
+fn parse_launch(s: &str) -> std::result::Result<Nvfp4Launch, String> {
+    match s {
+        "auto" => Ok(Nvfp4Launch::Auto),
+        "clusters" => Ok(Nvfp4Launch::Clusters),
+        "bands" => Ok(Nvfp4Launch::Bands),
+        _ => Err(format!("expected auto, clusters or bands, got {s:?}")),
+    }
 }
 
 /// `ROWSxCOLS` as two positive multiples of 32.
@@ -145,8 +160,10 @@ fn main() -> Result<()> {
         iters,
         json: json_path,
         mut shapes,
+        nvfp4_launch,
         ..
     } = clap::Parser::parse();
+    set_nvfp4_launch(nvfp4_launch);
     if shapes.is_empty() {
         shapes = vec![(16384, 8192), (4096, 4096)];
     }

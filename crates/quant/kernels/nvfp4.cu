@@ -1288,6 +1288,31 @@ NVFP4(f32, float)
 NVFP4(bf16, __nv_bfloat16)
 NVFP4(f16, __half)
 
+// The round-to-nearest both kernel launched in thread block clusters of 16 CTAs, each
+// cluster a block of 8 tile rows (a band) by 2 tile columns: the banded order (bands last
+// first, clusters last first within a band), but the cluster launch puts a cluster's 16
+// CTAs on the SMs of one GPC together. Its 2-D grid is the host's `banded_grid_padded`:
+// grid.x = 8 x the tile columns rounded up to even, grid.y = the bands (tile rows past
+// the matrix return at once; a padding column's tiles are past k, their lanes invalid,
+// so they store nothing). For tensors of more than 4 tile rows (bands of 8), 2-byte
+// inputs, compact scales: the compact grids' 128-byte lines are written by CTAs that run
+// at once. On an H100 at 16384x8192 the kernel alone took 0.1735 ms against the banded
+// launch's 0.1821, and 4% longer at 4096x4096 (BENCHMARKS.md, session 44); the host
+// takes it as `Nvfp4Launch` (src/cuda/nvfp4.rs) says.
+struct BothClusters : BothParts {
+    static __device__ __forceinline__ TileRC tile(uint32_t) {
+        const uint32_t rank = blockIdx.x & 15u, cluster = (gridDim.x - 1u - blockIdx.x) >> 4;
+        return {((gridDim.y - 1u - blockIdx.y) << 3) + (rank & 7u), (cluster << 1) + (rank >> 3)};
+    }
+};
+#define NVFP4_CLUSTERS(SUFFIX, T)                                                               \
+    extern "C" __global__ void __cluster_dims__(16, 1, 1) __launch_bounds__(256, NVFP4_BOTH_MINB) \
+        tessera_nvfp4_both_c8x2_##SUFFIX(const T* __restrict__ x, const Nvfp4Args a) {           \
+        nvfp4_both_impl<T, false, false, BothClusters>(x, a);                                    \
+    }
+NVFP4_CLUSTERS(bf16, __nv_bfloat16)
+NVFP4_CLUSTERS(f16, __half)
+
 // CTAs per SM of the stochastic-rounding both kernels (80 registers; at 64 they spill).
 #ifndef NVFP4_RS_MINB
 #define NVFP4_RS_MINB 3

@@ -1252,6 +1252,46 @@ fn nvfp4_fast_path_matches_the_cpu() {
     }
 }
 
+/// The round-to-nearest 1-D kernel launched in clusters of 8x2 tiles (`Nvfp4Launch`,
+/// set to `Clusters` for the test, so that every card runs it): a ragged shape (33 tile
+/// rows, a band of one; 129 tile columns, padded to 130) in both 2-byte types, tame and
+/// odd inputs, a shape of whole clusters, columnwise alone, and shapes under the `Auto`
+/// bound (2^26 values) down to the fewest rows the kernel takes. The setting is the
+/// process's: other tests running meanwhile may take clusters too, with the same bytes.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn nvfp4_cluster_launch_matches_the_cpu() {
+    use tessera_quant::cuda;
+    require_gpu();
+    /// Puts the automatic launch back when the test ends, passed or not.
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            cuda::set_nvfp4_launch(cuda::Nvfp4Launch::Auto);
+        }
+    }
+    let _restore = Restore;
+    cuda::set_nvfp4_launch(cuda::Nvfp4Launch::Clusters);
+    assert_eq!(cuda::nvfp4_launch(), cuda::Nvfp4Launch::Clusters);
+    let mut seed = 2700;
+    let mut cases = vec![];
+    for dtype in [DType::BF16, DType::F16] {
+        for odd in [false, true] {
+            cases.push(([4112, 16400], dtype, odd, Usage::Both));
+        }
+    }
+    cases.push(([8192, 8192], DType::BF16, false, Usage::Columnwise));
+    cases.push(([528, 4096], DType::BF16, true, Usage::Both));
+    cases.push(([2048, 1056], DType::F16, false, Usage::Both));
+    for (shape, dtype, odd, usage) in cases {
+        seed += 1;
+        let x = tame_input(&shape, dtype, seed, odd);
+        let mut q = Nvfp4Quantizer::new().with_usage(usage);
+        let what = format!("nvfp4 clusters {shape:?} {dtype} odd={odd} {usage:?}");
+        check_quantizer(&mut q, &x, &what);
+    }
+}
+
 /// The 1-D kernels of TE's recipes for 2-byte inputs (the RHT on the columnwise operand,
 /// stochastic rounding, both), on inputs of moderate range and, with `odd`, a NaN, an
 /// infinity and a run far below the rest, over several 128x128 tiles and ragged ones.

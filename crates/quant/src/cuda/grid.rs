@@ -190,9 +190,36 @@ pub(crate) fn tile_grid(
 /// tiles past the matrix have CTAs that return at once. Fails when a band holds more
 /// than 2^31 - 1 tiles or there are more than 65535 bands.
 pub(crate) fn banded_grid(op: &'static str, m: usize, k: usize, t: usize) -> Result<LaunchConfig> {
-    let (gx, gy) = (m.div_ceil(t).max(1), k.div_ceil(t).max(1));
+    let gx = m.div_ceil(t).max(1);
     let h = gx.next_power_of_two().min(1 << BAND_ROWS_LOG2);
-    let (x, y) = (gy.saturating_mul(h), gx.div_ceil(h));
+    bands(op, [m, k], t, h, k.div_ceil(t).max(1))
+}
+
+/// The launch of the NVFP4 both kernel in clusters of 8x2 tiles (`BothClusters` in
+/// kernels/nvfp4.cu) over an `[m, k]` matrix cut into `t x t` tiles: [`banded_grid`]'s
+/// grid with bands of 8 tile rows whatever `m`, and the tile columns rounded up to even,
+/// so that `grid.x` is a whole number of clusters of 16 CTAs (a padding column's tiles
+/// lie past `k`). Fails as [`banded_grid`] does.
+pub(crate) fn banded_grid_padded(
+    op: &'static str,
+    m: usize,
+    k: usize,
+    t: usize,
+) -> Result<LaunchConfig> {
+    let gy = k.div_ceil(t).max(1).next_multiple_of(2);
+    bands(op, [m, k], t, 1 << BAND_ROWS_LOG2, gy)
+}
+
+/// Bands of `h` tile rows of `gy` tile columns each over `[m, k]` (`t x t` tiles): `grid.x`
+/// a band's CTAs, `grid.y` the bands; refused past 2^31 - 1 CTAs a band or 65535 bands.
+fn bands(
+    op: &'static str,
+    [m, k]: [usize; 2],
+    t: usize,
+    h: usize,
+    gy: usize,
+) -> Result<LaunchConfig> {
+    let (x, y) = (gy.saturating_mul(h), m.div_ceil(t).max(1).div_ceil(h));
     if x > i32::MAX as usize || y > u16::MAX as usize {
         return Err(Error::shape(
             op,
@@ -346,6 +373,41 @@ mod tests {
             (8, 1, 1)
         );
         assert_eq!(banded_grid("test", 0, 0, 128).unwrap().grid_dim, (1, 1, 1));
+    }
+
+    #[test]
+    fn padded_banded_grid_is_whole_clusters_of_8x2_tiles() {
+        // 128 x 64 tiles: as the banded grid.
+        let cfg = banded_grid_padded("test", 16384, 8192, 128).unwrap();
+        assert_eq!(cfg.grid_dim, (8 * 64, 16, 1));
+        // 33 x 65 tiles: 5 bands of 8 tile rows, 66 tile columns.
+        assert_eq!(
+            banded_grid_padded("test", 33 * 128 - 16, 64 * 128 + 16, 128)
+                .unwrap()
+                .grid_dim,
+            (8 * 66, 5, 1)
+        );
+        // Fewer than 8 tile rows still take bands of 8; an empty matrix one cluster.
+        assert_eq!(
+            banded_grid_padded("test", 3 * 128, 128, 128)
+                .unwrap()
+                .grid_dim,
+            (16, 1, 1)
+        );
+        assert_eq!(
+            banded_grid_padded("test", 0, 0, 128).unwrap().grid_dim,
+            (16, 1, 1)
+        );
+        for (m, k) in [(16, 16), (5000, 3000), (1 << 20, 1 << 12)] {
+            let cfg = banded_grid_padded("test", m, k, 128).unwrap();
+            let (x, y) = (cfg.grid_dim.0 as usize, cfg.grid_dim.1 as usize);
+            assert_eq!(x % 16, 0, "[{m}, {k}]");
+            assert!(x / 8 * 128 >= k && y * 8 * 128 >= m, "[{m}, {k}] {x} x {y}");
+            assert!((x / 8 - 2) * 128 < k.max(1) && (y - 1) * 8 * 128 < m.max(1));
+        }
+        // The limits are the banded grid's.
+        let err = banded_grid_padded("test", 128 * 8 * 65536, 128, 128).unwrap_err();
+        assert!(err.to_string().contains("65536 bands"), "{err}");
     }
 
     #[test]

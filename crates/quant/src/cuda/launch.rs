@@ -4,7 +4,7 @@
 use std::ffi::c_void;
 use std::marker::PhantomData;
 
-use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig};
 use tessera_core::Result;
 use tessera_core::cuda::{CudaDevice, CudaResultExt};
 
@@ -79,18 +79,12 @@ pub(crate) unsafe fn launch_params(
         pad: [0; 4],
         value,
     };
-    let config = sys::CUlaunchConfig {
-        gridDimX: cfg.grid_dim.0,
-        gridDimY: cfg.grid_dim.1,
-        gridDimZ: cfg.grid_dim.2,
-        blockDimX: cfg.block_dim.0,
-        blockDimY: cfg.block_dim.1,
-        blockDimZ: cfg.block_dim.2,
-        sharedMemBytes: cfg.shared_mem_bytes,
-        hStream: stream.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: u32::from(order != Order::AfterPrevious),
-    };
+    let config = driver_config(
+        &cfg,
+        stream,
+        &mut attr,
+        u32::from(order != Order::AfterPrevious),
+    );
     // SAFETY: `config` and `attr` live across the call; `params` holds one pointer per
     // kernel parameter to values borrowed for its lifetime (the caller's contract: they
     // match the kernel), and the function belongs to the stream's context, which is
@@ -105,4 +99,49 @@ pub(crate) unsafe fn launch_params(
     }
     .result()
     .cuda_op(op)
+}
+
+/// How many clusters of `f`'s compile-time cluster shape (`__cluster_dims__`) the device
+/// can hold at once for a launch of `cfg` (`cuOccupancyMaxActiveClusters`): 0 where a
+/// cluster does not fit one GPC (a MIG slice, say), and a launch would fail.
+pub(crate) fn max_active_clusters(
+    dev: &CudaDevice,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    op: &'static str,
+) -> Result<u32> {
+    use cudarc::driver::sys;
+    let stream = dev.stream();
+    stream.context().bind_to_thread().cuda_op(op)?;
+    let config = driver_config(&cfg, stream, std::ptr::null_mut(), 0);
+    let mut clusters = 0;
+    // SAFETY: `clusters` and `config` live across the call, which only reads `config`
+    // (no attributes) and writes `clusters`; the function belongs to the stream's
+    // context, which is bound to this thread.
+    unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, f.cu_function(), &config) }
+        .result()
+        .cuda_op(op)?;
+    Ok(u32::try_from(clusters).unwrap_or(0))
+}
+
+/// `cfg` on `stream` as the driver's launch configuration, with the first `num_attrs`
+/// attributes at `attrs`.
+fn driver_config(
+    cfg: &LaunchConfig,
+    stream: &CudaStream,
+    attrs: *mut cudarc::driver::sys::CUlaunchAttribute,
+    num_attrs: u32,
+) -> cudarc::driver::sys::CUlaunchConfig {
+    cudarc::driver::sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs,
+        numAttrs: num_attrs,
+    }
 }

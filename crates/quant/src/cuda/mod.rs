@@ -15,6 +15,10 @@
 //! An amax reduction across ranks is the one step that reads the amax back to the host
 //! (and then the second pass launches the ordinary way).
 //!
+//! The NVFP4 kernel for 2-byte inputs with compact scales launches in thread block
+//! clusters where that pays ([`Nvfp4Launch`]: on cards whose DRAM is slow for their SMs,
+//! for large tensors), so that the CTAs sharing a scale grid's lines run together.
+//!
 //! Dequantizers are one launch each, sized to their work rather than striding: a thread
 //! per two 16-byte units of output for data in the output's order
 //! (`dequant_units_grid`), a CTA per shared-memory tile for transposed columnwise data,
@@ -42,13 +46,16 @@ pub mod layout;
 pub(crate) mod mxfp8;
 pub(crate) mod nvfp4;
 
+pub use nvfp4::{Nvfp4Launch, nvfp4_launch, set_nvfp4_launch};
+
 pub(crate) use buffers::{
     Outputs, amax_target, clear_amaxes, dequant_addrs, device_addr, device_addr_mut, device_of,
 };
 pub(crate) use grid::{
-    ColsTile, FP8_DEQ_TILES, NVFP4_DEQ_TILES, banded_grid, dequant_units_grid, tile_grid, tiles_64,
+    ColsTile, FP8_DEQ_TILES, NVFP4_DEQ_TILES, banded_grid, banded_grid_padded, dequant_units_grid,
+    tile_grid, tiles_64,
 };
-pub(crate) use launch::{Order, Params, launch_params};
+pub(crate) use launch::{Order, Params, launch_params, max_active_clusters};
 
 use tessera_core::kernels::{PtxModule, Sass};
 use tessera_core::{DType, Error, Result};

@@ -1,7 +1,10 @@
 //! NVFP4 on the device.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 use tessera_core::cuda::{CudaDevice, CudaResultExt, grid_1d};
 use tessera_core::{DType, Error, Result, Tensor};
@@ -9,8 +12,8 @@ use tessera_rng::Generator;
 
 use super::{
     BLOCK, ColsTile, NVFP4_DEQ_TILES, NVFP4_PTX, Order, Outputs, Params, amax_target, banded_grid,
-    clear_amaxes, dequant_addrs, dequant_units_grid, dequant_vals, device_addr, device_of,
-    dtype_suffix, launch_params, tile_grid,
+    banded_grid_padded, clear_amaxes, dequant_addrs, dequant_units_grid, dequant_vals, device_addr,
+    device_of, dtype_suffix, launch_params, max_active_clusters, tile_grid,
 };
 use crate::values::check_input;
 use crate::{AmaxReduction, BufferName, QuantizedTensor, Usage};
@@ -216,6 +219,141 @@ impl Amaxes {
 /// slower at 4096x4096 (0.0214 against 0.0198) (BENCHMARKS, sessions 36, 37 and 40).
 const TWO_STEP_2D_MIN_VALUES: usize = 1 << 25;
 
+/// How [`Nvfp4Quantizer`](crate::Nvfp4Quantizer) launches its round-to-nearest 1-D
+/// kernel for 2-byte inputs without the RHT, with columnwise data and compact scales, on
+/// tensors of more than 512 rows: in thread block clusters of 8x2 tiles (of 128x128
+/// values; `tessera_nvfp4_both_c8x2_*`), or in bands of 8 tile rows. Both write the same
+/// bytes. A compact scale grid's 128-byte line holds 8 bytes of each of 16 tiles; the
+/// cluster launch runs those 16 tiles' CTAs at once on one GPC, so that their pieces of
+/// the line meet in L2, which pays where the DRAM is slow for the SMs. Set it with
+/// [`set_nvfp4_launch`].
+///
+/// Measured (the quantizer: amax pass and kernel; BENCHMARKS.md, session 44): on an H100
+/// SXM, clusters took 3.4% less time at 16384x8192 and 2.4% less at 8192x8192 (2^26
+/// values), but 1.2% more at 8192x4096 and 6.9% more at 4096x4096.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Nvfp4Launch {
+    /// Clusters for tensors of 2^26 values or more on devices whose DRAM moves at most
+    /// 15 bytes per SM clock and SM (an H100 SXM: 12.8; an H200: about 18.4 by its data
+    /// sheet, where the banded launch is the one measured), bands otherwise.
+    #[default]
+    Auto,
+    /// Clusters for every tensor the cluster kernel takes, on devices where a GPC holds
+    /// a cluster of 16 CTAs (not every MIG slice does; bands there).
+    Clusters,
+    /// Bands always.
+    Bands,
+}
+
+/// The process's [`Nvfp4Launch`], as its discriminant.
+static LAUNCH: AtomicU8 = AtomicU8::new(Nvfp4Launch::Auto as u8);
+
+/// Sets how every device of the process launches the NVFP4 kernel of [`Nvfp4Launch`]
+/// (for measuring the launches against each other; [`Nvfp4Launch::Auto`] until set).
+/// Quantizations already enqueued keep the launch they took.
+pub fn set_nvfp4_launch(launch: Nvfp4Launch) {
+    LAUNCH.store(launch as u8, Ordering::Relaxed);
+}
+
+/// The launch [`set_nvfp4_launch`] set last.
+pub fn nvfp4_launch() -> Nvfp4Launch {
+    match LAUNCH.load(Ordering::Relaxed) {
+        x if x == Nvfp4Launch::Clusters as u8 => Nvfp4Launch::Clusters,
+        x if x == Nvfp4Launch::Bands as u8 => Nvfp4Launch::Bands,
+        _ => Nvfp4Launch::Auto,
+    }
+}
+
+/// The fewest values of a tensor that [`Nvfp4Launch::Auto`] launches in clusters: the
+/// H100's crossover (between 2^25 and 2^26 values).
+const CLUSTER_MIN_VALUES: usize = 1 << 26;
+/// Tensors of at most this many rows (4 tile rows) keep the banded launch, whose bands
+/// are then as tall as the tensor; a cluster's band is 8 tile rows.
+const CLUSTER_MIN_ROWS: usize = 512;
+/// The most DRAM bytes per SM clock and SM of a device that [`Nvfp4Launch::Auto`]
+/// launches in clusters on.
+const CLUSTER_MAX_DRAM_BYTES_PER_SM_CLOCK: f64 = 15.0;
+
+/// DRAM bytes per SM clock and SM: 2 transfers a memory clock (`mem_khz`) over a bus of
+/// `bus_bits`, divided by `sms` SMs at `sm_khz`. None where the driver reports a zero
+/// (or negative) clock, width or count.
+fn dram_bytes_per_sm_clock(mem_khz: i32, bus_bits: i32, sm_khz: i32, sms: u32) -> Option<f64> {
+    if mem_khz <= 0 || bus_bits <= 0 || sm_khz <= 0 || sms == 0 {
+        return None;
+    }
+    let bytes_per_ms = 2.0 * f64::from(mem_khz) * f64::from(bus_bits) / 8.0;
+    Some(bytes_per_ms / (f64::from(sm_khz) * f64::from(sms)))
+}
+
+/// What the cluster launch needs to know of a device and entry point.
+#[derive(Clone, Copy, Debug)]
+struct ClusterFit {
+    /// A GPC holds a cluster of 16 CTAs of the entry point (which is then allowed
+    /// clusters past the portable 8).
+    fits: bool,
+    /// The device's DRAM is slow enough for the SMs that [`Nvfp4Launch::Auto`] takes
+    /// clusters (see [`CLUSTER_MAX_DRAM_BYTES_PER_SM_CLOCK`]).
+    pays: bool,
+}
+
+/// [`ClusterFit`] of `tessera_nvfp4_both_c8x2_{sfx}` on `dev`, asked of the driver once
+/// per device and entry point.
+fn cluster_fit(dev: &CudaDevice, sfx: &str) -> Result<ClusterFit> {
+    const OP: &str = "cuda nvfp4 cluster launch";
+    static FIT: OnceLock<Mutex<HashMap<(usize, String), ClusterFit>>> = OnceLock::new();
+    let key = (dev.ordinal(), sfx.to_string());
+    let cache = FIT.get_or_init(Default::default);
+    if let Some(&known) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return Ok(known);
+    }
+    let f = dev.function(&NVFP4_PTX, &format!("tessera_nvfp4_both_c8x2_{sfx}"))?;
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+        1,
+    )
+    .cuda_op(OP)?;
+    let one_cluster = LaunchConfig {
+        grid_dim: (16, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let attr = |a| dev.context().attribute(a).cuda_op("cuDeviceGetAttribute");
+    let bytes = dram_bytes_per_sm_clock(
+        attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)?,
+        attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)?,
+        attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)?,
+        dev.multiprocessors(),
+    );
+    let known = ClusterFit {
+        fits: max_active_clusters(dev, &f, one_cluster, OP)? > 0,
+        pays: bytes.is_some_and(|b| b <= CLUSTER_MAX_DRAM_BYTES_PER_SM_CLOCK),
+    };
+    cache
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(key, known);
+    Ok(known)
+}
+
+/// Whether the [`Nvfp4Launch`] kernel for an `[m, k]` tensor of `sfx` values launches
+/// in clusters on `dev` (the caller has checked the rest: 2-byte values, round to
+/// nearest without the RHT, columnwise data, compact scales).
+fn takes_clusters(dev: &CudaDevice, sfx: &str, m: usize, k: usize) -> Result<bool> {
+    if m <= CLUSTER_MIN_ROWS {
+        return Ok(false);
+    }
+    Ok(match nvfp4_launch() {
+        Nvfp4Launch::Bands => false,
+        Nvfp4Launch::Clusters => cluster_fit(dev, sfx)?.fits,
+        Nvfp4Launch::Auto => {
+            m * k >= CLUSTER_MIN_VALUES && {
+                let fit = cluster_fit(dev, sfx)?;
+                fit.fits && fit.pays
+            }
+        }
+    })
+}
+
 /// Quantizes `x` into `out` (NVFP4, its usage's buffers).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn quantize_into(
@@ -288,6 +426,11 @@ pub(crate) fn quantize_into(
             shared_mem_bytes: 0,
         };
         (format!("tessera_nvfp4_row_{sfx}"), cfg)
+    } else if tile_kernel == Some("") && two_byte && !swizzled && takes_clusters(&dev, sfx, m, k)? {
+        (
+            format!("tessera_nvfp4_both_c8x2_{sfx}"),
+            banded_grid_padded(OP, m, k, 128)?,
+        )
     } else if let Some(infix) = tile_kernel {
         (
             format!("tessera_nvfp4_both_{infix}{sfx}"),
@@ -480,4 +623,52 @@ pub(crate) fn dequantize(
     // grid, amax one float, y [m, k] of T; the kernel calls pdl_first() before any
     // memory access.
     unsafe { launch_params(&dev, &f, cfg, OP, Order::WaitFirst, &mut p) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The H100 SXM's attributes as its driver reports them (a 2619 MHz memory clock, a
+    /// 5120-bit bus, 1980 MHz SMs, 132 of them; seen 2026-12-07) give 12.8 bytes per SM
+    /// clock; the H200's data sheet (4.8 TB/s, the same SMs) 18.4; a zero is unknown.
+    #[test]
+    fn dram_bytes_per_sm_clock_by_card() {
+        let h100 = dram_bytes_per_sm_clock(2_619_000, 5120, 1_980_000, 132).unwrap();
+        assert!((h100 - 12.826).abs() < 1e-3, "{h100}");
+        assert!(h100 <= CLUSTER_MAX_DRAM_BYTES_PER_SM_CLOCK);
+        // 4.8 TB/s over a 6144-bit bus: 3125 MHz.
+        let h200 = dram_bytes_per_sm_clock(3_125_000, 6144, 1_980_000, 132).unwrap();
+        assert!((h200 - 18.365).abs() < 1e-3, "{h200}");
+        assert!(h200 > CLUSTER_MAX_DRAM_BYTES_PER_SM_CLOCK);
+        assert_eq!(dram_bytes_per_sm_clock(0, 5120, 1_980_000, 132), None);
+        assert_eq!(dram_bytes_per_sm_clock(2_619_000, 5120, 1_980_000, 0), None);
+    }
+
+    /// A whole sm_90 GPU holds clusters of 16 CTAs of the cluster-launched kernel (a MIG
+    /// slice may not, and takes the banded launch), and the driver's clocks put the
+    /// H100 SXM under the bound of [`Nvfp4Launch::Auto`] and the H200 over it.
+    #[test]
+    #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+    fn a_whole_gpu_holds_the_clusters_of_16() {
+        assert!(
+            tessera_core::cuda::is_available(),
+            "this test needs a CUDA GPU; run it with `cargo xtask test-gpu`"
+        );
+        let dev = tessera_core::cuda::device(0).unwrap();
+        let name = dev.name().to_string();
+        let whole = !name.contains("MIG");
+        for sfx in ["bf16", "f16"] {
+            let fit = cluster_fit(&dev, sfx).unwrap();
+            assert_eq!(fit.fits, whole, "{name} {sfx}");
+            if name.contains("H100") && name.contains("HBM3") {
+                assert!(fit.pays, "{name}");
+            } else if name.contains("H200") {
+                assert!(!fit.pays, "{name}");
+            }
+            // Asked again: the cached answer.
+            let again = cluster_fit(&dev, sfx).unwrap();
+            assert_eq!((again.fits, again.pays), (fit.fits, fit.pays));
+        }
+    }
 }
