@@ -228,9 +228,9 @@ const TWO_STEP_2D_MIN_VALUES: usize = 1 << 25;
 /// the line meet in L2, which pays where the DRAM is slow for the SMs. Set it with
 /// [`set_nvfp4_launch`].
 ///
-/// Measured (the quantizer: amax pass and kernel; BENCHMARKS.md, session 44): on an H100
-/// SXM, clusters took 3.4% less time at 16384x8192 and 2.4% less at 8192x8192 (2^26
-/// values), but 1.2% more at 8192x4096 and 6.9% more at 4096x4096.
+/// Measured (the quantizer: amax pass and kernel; BENCHMARKS.md, sessions 44 and 45): on
+/// an H100 SXM, clusters took 3.4-3.6% less time at 16384x8192 and 2.4-2.5% less at
+/// 8192x8192 (2^26 values), but 1.2% more at 8192x4096 and 6.9% more at 4096x4096.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Nvfp4Launch {
     /// Clusters for tensors of 2^26 values or more on devices whose DRAM moves at most
