@@ -2,12 +2,10 @@
 # (flush_both_scales) against the two-step path (flush_scratch + tessera_nvfp4_scales_1d)
 # on ragged shapes: every grid byte written by both, from the same staged byte of the same
 # tile. Run: python3 bench/patches/nvfp4-two-step-1d-emulate.py
-import itertools
 def cols4(n): return (n + 3) // 4 * 4
 def one_step(m, k):
     out = {}
     tr, tc = (m + 127)//128, (k + 127)//128
-    src = lambda g, T, rr, b: (g, T, rr, b)  # stage byte identity
     for R in range(tr):
         for C in range(tc):
             R0, C0 = 128*R, 128*C
