@@ -567,9 +567,9 @@ __device__ __forceinline__ void both_tables(BothShared& sh, const Nvfp4Args& a) 
 
 // The parts of the round-to-nearest both kernel that bench/cuda/nvfp4_cost.cu replaces
 // (in a type derived from this one) to measure what each costs: what a CTA does before
-// its loads, the loads, the fill of the encode-scale tables, the fast path's encoders of 8 values
-// times g to E2M1 magnitudes, columnwise and rowwise, and the flush of the staged scale
-// bytes; the tile a CTA takes. The library instantiates only these.
+// its loads, the loads, the fill of the encode-scale tables, the fast path's encoders of
+// 8 values times g to E2M1 magnitudes, columnwise and rowwise, and the flush of the
+// staged scale bytes; the tile a CTA takes. The library instantiates only these.
 struct BothParts {
     // The CTA's tile, given gx tile rows.
     static __device__ __forceinline__ TileRC tile(uint32_t gx) { return tile_banded(gx); }

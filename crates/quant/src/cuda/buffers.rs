@@ -229,10 +229,7 @@ mod tests {
     #[test]
     #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
     fn clear_bytes_zeroes_exactly_its_range() {
-        assert!(
-            tessera_core::cuda::is_available(),
-            "this test needs a CUDA GPU; run it with `cargo xtask test-gpu`"
-        );
+        super::super::require_gpu();
         let gpu = tessera_core::Device::Cuda(0);
         let dev = tessera_core::cuda::device(0).unwrap();
         let f = dev.function(&FP8_PTX, "tessera_clear_bytes").unwrap();

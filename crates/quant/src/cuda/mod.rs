@@ -105,6 +105,15 @@ pub(crate) const NVFP4_PTX: PtxModule = PtxModule {
 /// Threads per block of every kernel here (their `__launch_bounds__`).
 pub(crate) const BLOCK: u32 = 256;
 
+/// Fails a GPU unit test at once, with how to run it, where no CUDA GPU is present.
+#[cfg(test)]
+fn require_gpu() {
+    assert!(
+        tessera_core::cuda::is_available(),
+        "this test needs a CUDA GPU; run it with `cargo xtask test-gpu`"
+    );
+}
+
 /// `f32`, `bf16` or `f16`: the kernel-name suffix of an input dtype.
 pub(crate) fn dtype_suffix(op: &'static str, dtype: DType) -> Result<&'static str> {
     match dtype {

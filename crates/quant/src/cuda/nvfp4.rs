@@ -298,10 +298,10 @@ struct ClusterFit {
 
 /// [`ClusterFit`] of `tessera_nvfp4_both_c8x2_{sfx}` on `dev`, asked of the driver once
 /// per device and entry point.
-fn cluster_fit(dev: &CudaDevice, sfx: &str) -> Result<ClusterFit> {
+fn cluster_fit(dev: &CudaDevice, sfx: &'static str) -> Result<ClusterFit> {
     const OP: &str = "cuda nvfp4 cluster launch";
-    static FIT: OnceLock<Mutex<HashMap<(usize, String), ClusterFit>>> = OnceLock::new();
-    let key = (dev.ordinal(), sfx.to_string());
+    static FIT: OnceLock<Mutex<HashMap<(usize, &'static str), ClusterFit>>> = OnceLock::new();
+    let key = (dev.ordinal(), sfx);
     let cache = FIT.get_or_init(Default::default);
     if let Some(&known) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return Ok(known);
@@ -338,7 +338,7 @@ fn cluster_fit(dev: &CudaDevice, sfx: &str) -> Result<ClusterFit> {
 /// Whether the [`Nvfp4Launch`] kernel for an `[m, k]` tensor of `sfx` values launches
 /// in clusters on `dev` (the caller has checked the rest: 2-byte values, round to
 /// nearest without the RHT, columnwise data, compact scales).
-fn takes_clusters(dev: &CudaDevice, sfx: &str, m: usize, k: usize) -> Result<bool> {
+fn takes_clusters(dev: &CudaDevice, sfx: &'static str, m: usize, k: usize) -> Result<bool> {
     if m <= CLUSTER_MIN_ROWS {
         return Ok(false);
     }
@@ -651,10 +651,7 @@ mod tests {
     #[test]
     #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
     fn a_whole_gpu_holds_the_clusters_of_16() {
-        assert!(
-            tessera_core::cuda::is_available(),
-            "this test needs a CUDA GPU; run it with `cargo xtask test-gpu`"
-        );
+        super::super::require_gpu();
         let dev = tessera_core::cuda::device(0).unwrap();
         let name = dev.name().to_string();
         let whole = !name.contains("MIG");
