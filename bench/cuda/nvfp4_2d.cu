@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) one_step_2d(const __nv_b
 
 // The library's both kernel with tile2d<Order> in place of both_tile_2d.
 template <int Order> struct OrderTiles {
-    static constexpr bool two_d = true;
+    static constexpr bool own_tile = true;
     template <class T>
     static __device__ __forceinline__ void tile(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
                                                 const Nvfp4Args& a, BothShared& sh) {

@@ -124,8 +124,8 @@ struct Args {
     /// padding's clearing too.
     #[arg(long = "shape", value_parser = parse_shape)]
     shapes: Vec<(usize, usize)>,
-    /// How the NVFP4 both kernel launches on the tensors it may launch in clusters
-    /// (`tessera_quant::cuda::Nvfp4Launch`): auto, clusters or bands.
+    /// How the 1-D NVFP4 both kernel with compact scales launches
+    /// (`tessera_quant::cuda::Nvfp4Launch`): auto, bands, clusters or two-step.
     #[arg(long, value_parser = parse_launch, default_value = "auto")]
     nvfp4_launch: Nvfp4Launch,
     #[arg(long, hide = true)]
@@ -138,7 +138,10 @@ fn parse_launch(s: &str) -> std::result::Result<Nvfp4Launch, String> {
         "auto" => Ok(Nvfp4Launch::Auto),
         "clusters" => Ok(Nvfp4Launch::Clusters),
         "bands" => Ok(Nvfp4Launch::Bands),
-        _ => Err(format!("expected auto, clusters or bands, got {s:?}")),
+        "two-step" => Ok(Nvfp4Launch::TwoStep),
+        _ => Err(format!(
+            "expected auto, bands, clusters or two-step, got {s:?}"
+        )),
     }
 }
 

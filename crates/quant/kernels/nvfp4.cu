@@ -532,6 +532,21 @@ __device__ __forceinline__ void flush_both_scales(const BothScales& s, const Nvf
     }
 }
 
+// Two-step compact scales: the tile's staged bytes, its rowwise stage (1 KiB) then its
+// columnwise one, into 2 KiB of `scratch` at the tile's index (tile rows of
+// ceil(k / 128) tiles), threads 0-127 one 16-byte vector each; whole lines, which
+// tessera_nvfp4_scales_1d then writes into the grids. A null grid's stage is skipped.
+__device__ __forceinline__ void flush_scratch(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0,
+                                              uint8_t* scratch) {
+    const int t = threadIdx.x;
+    if (t >= 128 || (t < 64 ? a.q_row : a.q_col) == nullptr) return;
+    const u64 tile = (R0 / 128) * ((a.k + 127) / 128) + C0 / 128;
+    // The stage is 8-byte aligned in shared memory (BothShared puts it after se[2]).
+    const uint2* src = reinterpret_cast<const uint2*>(t < 64 ? &s.row[0][0] : &s.col[0][0]) + 2 * (t & 63);
+    const uint2 lo = src[0], hi = src[1];
+    reinterpret_cast<uint4*>(scratch + tile * 2048 + (t < 64 ? 0 : 1024))[t & 63] = make_uint4(lo.x, lo.y, hi.x, hi.y);
+}
+
 // Where the lane's values of a 128x128 tile at (R0, C0) sit: rows r0 .. r0 + 7, columns
 // col .. col + 7 (rt, ct within the tile); 8 warps, 4 down and 2 across.
 struct BothLane {
@@ -596,10 +611,12 @@ struct BothParts {
 
 // Quantizes the 128x128 tile at (R0, C0) of 2-byte inputs, the lane's values in d (zeros
 // when !valid), with the tables filled; synchronises the CTA twice (before its first
-// write to sh.stage, and before the flush).
+// write to sh.stage, and before the flush). With a scratch (two-step compact scales,
+// tessera_nvfp4_scales_1d) the staged bytes go there instead of into the scale grids;
+// without one (a constant null) the flush compiles as before.
 template <class T, class Parts = BothParts>
 __device__ __forceinline__ void both_tile(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
-                                          const Nvfp4Args& a, BothShared& sh) {
+                                          const Nvfp4Args& a, BothShared& sh, uint8_t* scratch = nullptr) {
     const int cg = l.cg, g = l.g, rt = l.rt, ct = l.ct;
     const u64 r0 = R0 + rt, col = C0 + ct;
     auto& stage = sh.stage;
@@ -698,7 +715,8 @@ __device__ __forceinline__ void both_tile(const BothTile<T>& d, const BothLane& 
         }
     }
     __syncthreads();
-    Parts::flush(stage, a, R0, C0);
+    if (scratch != nullptr) flush_scratch(stage, a, R0, C0, scratch);
+    else Parts::flush(stage, a, R0, C0);
 }
 
 // ---- 2-D blocks, round to nearest, without the RHT (2-byte inputs) ----------------------
@@ -849,14 +867,24 @@ __device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLan
     flush_both_scales(sh.stage, a, R0, C0);
 }
 
-// The both kernel's tile policy: 1-D blocks (both_tile or both_tile_rs), or 2-D ones
-// (both_tile_2d, with the block grid of two-step compact scales or null; the harness
-// bench/cuda/nvfp4_2d.cu puts its variants in its place).
+// The both kernel's tile policy: 1-D blocks (both_tile or both_tile_rs), 1-D blocks with
+// two-step compact scales (both_tile and a scratch), or 2-D ones (both_tile_2d, with the
+// block grid of two-step compact scales or null; the harness bench/cuda/nvfp4_2d.cu puts
+// its variants in its place). own_tile: the policy quantizes the tile itself.
 struct OneDTiles {
-    static constexpr bool two_d = false;
+    static constexpr bool own_tile = false;
+};
+struct ScratchTiles {
+    static constexpr bool own_tile = true;
+    uint8_t* scratch;
+    template <class T>
+    __device__ __forceinline__ void tile(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
+                                         const Nvfp4Args& a, BothShared& sh) const {
+        both_tile<T>(d, l, R0, C0, valid, a, sh, scratch);
+    }
 };
 struct TwoDTiles {
-    static constexpr bool two_d = true;
+    static constexpr bool own_tile = true;
     uint8_t* blk;
     template <class T>
     __device__ __forceinline__ void tile(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
@@ -904,6 +932,46 @@ extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_scales_2d(const 
                                                                          uint8_t* s_row, u64 s_row_cols, uint8_t* s_col,
                                                                          u64 s_col_cols, int copies) {
     nvfp4_scales_2d_impl(blk, m, k, s_row, s_row_cols, s_col, s_col_cols, copies);
+}
+
+// The second step of 1-D blocks' compact scales: the grids from the tiles' staged bytes
+// in `scratch` (flush_scratch). A thread takes one tile's 8 bytes of one grid row (8
+// blocks: of rows, 16 columns each; of columns, 16 rows each) and stores the words the
+// one-step flush would: the first always, the second where its first block is inside
+// the tensor (a grid row's bytes past that are padding, cleared before), as one 8-byte
+// store where the grid and its rows are 8-byte aligned. A warp covers 32 tiles of a grid row.
+// blockIdx.y picks the grid (0 rowwise, 1 columnwise; a null grid is not written).
+// `pieces` is the grid's rows times its tiles a row; the host checks that both grids'
+// counts fit 32 bits.
+__device__ void nvfp4_scales_1d_impl(const uint8_t* __restrict__ scratch, u64 m, u64 k, uint8_t* __restrict__ s_row,
+                                     u64 s_row_cols, uint8_t* __restrict__ s_col, u64 s_col_cols) {
+    pdl_first();
+    const bool cols = blockIdx.y == 1;
+    uint8_t* dst = cols ? s_col : s_row;
+    if (dst == nullptr) return;
+    const uint32_t tr = (uint32_t)((m + 127) / 128), tc = (uint32_t)((k + 127) / 128);
+    const uint32_t rows = (uint32_t)(cols ? k : m), per_row = cols ? tr : tc;
+    const u64 blocks = (cols ? m : k) / 16, stride = cols ? s_col_cols : s_row_cols;
+    const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= rows * per_row) return;
+    const uint32_t r = t / per_row, p = t - r * per_row;
+    const u64 tile = cols ? (u64)p * tc + r / 128 : (u64)(r / 128) * tc + p;
+    const uint2 v = *reinterpret_cast<const uint2*>(scratch + tile * 2048 + (cols ? 1024 : 0) + (r % 128) * 8);
+    uint8_t* d = dst + (u64)r * stride + 8 * (u64)p;
+    const bool second = 8 * (u64)p + 4 < blocks;
+    if (second && stride % 8 == 0 && reinterpret_cast<uintptr_t>(dst) % 8 == 0) {
+        *reinterpret_cast<uint2*>(d) = v;
+    } else {
+        *reinterpret_cast<uint32_t*>(d) = v.x;
+        if (second) *reinterpret_cast<uint32_t*>(d + 4) = v.y;
+    }
+}
+
+// Grid (ceil(max(rowwise, columnwise pieces) / 256), 2).
+extern "C" __global__ void __launch_bounds__(256) tessera_nvfp4_scales_1d(const uint8_t* __restrict__ scratch, u64 m,
+                                                                         u64 k, uint8_t* s_row, u64 s_row_cols,
+                                                                         uint8_t* s_col, u64 s_col_cols) {
+    nvfp4_scales_1d_impl(scratch, m, k, s_row, s_row_cols, s_col, s_col_cols);
 }
 
 // ---- 1-D blocks with the RHT and/or stochastic rounding (2-byte inputs) ------------------
@@ -1130,7 +1198,7 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a, cons
     } else {
         __shared__ BothShared sh;
         Parts::tables(sh, a);
-        if constexpr (Tiles::two_d) tiles.template tile<T>(d, l, R0, C0, valid, a, sh);
+        if constexpr (Tiles::own_tile) tiles.template tile<T>(d, l, R0, C0, valid, a, sh);
         else if constexpr (Rht || Sr) both_tile_rs<T, Rht, Sr>(d, l, R0, C0, valid, a, sh);
         else both_tile<T, Parts>(d, l, R0, C0, valid, a, sh);
     }
@@ -1312,6 +1380,18 @@ struct BothClusters : BothParts {
     }
 NVFP4_CLUSTERS(bf16, __nv_bfloat16)
 NVFP4_CLUSTERS(f16, __half)
+
+// The round-to-nearest both kernel with two-step compact scales: each tile's staged
+// bytes into `scratch` (2 KiB a tile), then tessera_nvfp4_scales_1d. (The harness's
+// ScratchScales + to_compact took 0.1689-0.1691 ms at 16384x8192 on an H100, against
+// 0.1821-0.1825 for the one-step flush and 0.1713 in clusters; BENCHMARKS.md, session 45.)
+#define NVFP4_TWO_STEP(SUFFIX, T)                                                               \
+    extern "C" __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) tessera_nvfp4_both_s2_##SUFFIX( \
+        const T* __restrict__ x, const Nvfp4Args a, uint8_t* scratch) {                          \
+        nvfp4_both_impl<T, false, false, BothParts, ScratchTiles>(x, a, ScratchTiles{scratch});  \
+    }
+NVFP4_TWO_STEP(bf16, __nv_bfloat16)
+NVFP4_TWO_STEP(f16, __half)
 
 // CTAs per SM of the stochastic-rounding both kernels (80 registers; at 64 they spill).
 #ifndef NVFP4_RS_MINB

@@ -1261,9 +1261,65 @@ fn nvfp4_fast_path_matches_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn nvfp4_cluster_launch_matches_the_cpu() {
-    use tessera_quant::cuda;
     require_gpu();
-    /// Puts the automatic launch back when the test ends, passed or not.
+    under_nvfp4_launch(tessera_quant::cuda::Nvfp4Launch::Clusters, || {
+        let mut seed = 2700;
+        let mut cases = vec![];
+        for dtype in [DType::BF16, DType::F16] {
+            for odd in [false, true] {
+                cases.push(([4112, 16400], dtype, odd, Usage::Both));
+            }
+        }
+        cases.push(([8192, 8192], DType::BF16, false, Usage::Columnwise));
+        cases.push(([528, 4096], DType::BF16, true, Usage::Both));
+        cases.push(([2048, 1056], DType::F16, false, Usage::Both));
+        for (shape, dtype, odd, usage) in cases {
+            seed += 1;
+            let x = tame_input(&shape, dtype, seed, odd);
+            let mut q = Nvfp4Quantizer::new().with_usage(usage);
+            let what = format!("nvfp4 clusters {shape:?} {dtype} odd={odd} {usage:?}");
+            check_quantizer(&mut q, &x, &what);
+        }
+    });
+}
+
+/// The round-to-nearest 1-D kernel with two-step compact scales (`Nvfp4Launch::TwoStep`,
+/// set for the test): ragged shapes both ways (a part tile row; tile columns whose
+/// grid rows are 4 but not 8 bytes long, so the second step stores words), columnwise
+/// alone, and tensors of one tile. The setting is the process's, as in the cluster test.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn nvfp4_two_step_scales_match_the_cpu() {
+    require_gpu();
+    under_nvfp4_launch(tessera_quant::cuda::Nvfp4Launch::TwoStep, || {
+        let mut seed = 2900;
+        let mut cases = vec![];
+        for dtype in [DType::BF16, DType::F16] {
+            for odd in [false, true] {
+                cases.push(([4112, 16400], dtype, odd, Usage::Both));
+            }
+        }
+        cases.push(([1040, 4160], DType::BF16, true, Usage::Both));
+        cases.push(([2048, 1056], DType::F16, false, Usage::Columnwise));
+        cases.push(([128, 128], DType::BF16, true, Usage::Both));
+        cases.push(([16, 64], DType::F16, false, Usage::Both));
+        for (shape, dtype, odd, usage) in cases {
+            seed += 1;
+            let x = tame_input(&shape, dtype, seed, odd);
+            let mut q = Nvfp4Quantizer::new().with_usage(usage);
+            let what = format!("nvfp4 two-step {shape:?} {dtype} odd={odd} {usage:?}");
+            check_quantizer(&mut q, &x, &what);
+        }
+    });
+}
+
+/// Runs `f` with the process's NVFP4 launch set to `launch` (asserted), and puts
+/// [`Nvfp4Launch::Auto`](tessera_quant::cuda::Nvfp4Launch) back when `f` returns or
+/// panics. The setting is the process's: other tests running meanwhile take it too, with
+/// the same bytes.
+fn under_nvfp4_launch(launch: tessera_quant::cuda::Nvfp4Launch, f: impl FnOnce()) {
+    use tessera_quant::cuda;
+    /// Puts the automatic launch back on drop, so on a panic too.
     struct Restore;
     impl Drop for Restore {
         fn drop(&mut self) {
@@ -1271,25 +1327,9 @@ fn nvfp4_cluster_launch_matches_the_cpu() {
         }
     }
     let _restore = Restore;
-    cuda::set_nvfp4_launch(cuda::Nvfp4Launch::Clusters);
-    assert_eq!(cuda::nvfp4_launch(), cuda::Nvfp4Launch::Clusters);
-    let mut seed = 2700;
-    let mut cases = vec![];
-    for dtype in [DType::BF16, DType::F16] {
-        for odd in [false, true] {
-            cases.push(([4112, 16400], dtype, odd, Usage::Both));
-        }
-    }
-    cases.push(([8192, 8192], DType::BF16, false, Usage::Columnwise));
-    cases.push(([528, 4096], DType::BF16, true, Usage::Both));
-    cases.push(([2048, 1056], DType::F16, false, Usage::Both));
-    for (shape, dtype, odd, usage) in cases {
-        seed += 1;
-        let x = tame_input(&shape, dtype, seed, odd);
-        let mut q = Nvfp4Quantizer::new().with_usage(usage);
-        let what = format!("nvfp4 clusters {shape:?} {dtype} odd={odd} {usage:?}");
-        check_quantizer(&mut q, &x, &what);
-    }
+    cuda::set_nvfp4_launch(launch);
+    assert_eq!(cuda::nvfp4_launch(), launch);
+    f();
 }
 
 /// The 1-D kernels of TE's recipes for 2-byte inputs (the RHT on the columnwise operand,

@@ -15,9 +15,11 @@
 //! An amax reduction across ranks is the one step that reads the amax back to the host
 //! (and then the second pass launches the ordinary way).
 //!
-//! The NVFP4 kernel for 2-byte inputs with compact scales launches in thread block
-//! clusters where that pays ([`Nvfp4Launch`]: on cards whose DRAM is slow for their SMs,
-//! for large tensors), so that the CTAs sharing a scale grid's lines run together.
+//! The NVFP4 kernel for 2-byte inputs with compact scales writes them in two steps where
+//! that pays ([`Nvfp4Launch`]: on cards whose DRAM is slow for their SMs, for large
+//! tensors): each tile's scale bytes into a scratch, whole lines, then a second kernel
+//! the grids' rows, instead of 8-byte pieces of 16 CTAs in every line. A launch in thread
+//! block clusters, which runs the CTAs sharing a line together, can be chosen instead.
 //!
 //! Dequantizers are one launch each, sized to their work rather than striding: a thread
 //! per two 16-byte units of output for data in the output's order

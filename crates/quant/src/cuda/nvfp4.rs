@@ -220,29 +220,43 @@ impl Amaxes {
 const TWO_STEP_2D_MIN_VALUES: usize = 1 << 25;
 
 /// How [`Nvfp4Quantizer`](crate::Nvfp4Quantizer) launches its round-to-nearest 1-D
-/// kernel for 2-byte inputs without the RHT, with columnwise data and compact scales, on
-/// tensors of more than 512 rows: in thread block clusters of 8x2 tiles (of 128x128
-/// values; `tessera_nvfp4_both_c8x2_*`), or in bands of 8 tile rows. Both write the same
-/// bytes. A compact scale grid's 128-byte line holds 8 bytes of each of 16 tiles; the
-/// cluster launch runs those 16 tiles' CTAs at once on one GPC, so that their pieces of
-/// the line meet in L2, which pays where the DRAM is slow for the SMs. Set it with
-/// [`set_nvfp4_launch`].
+/// kernel for 2-byte inputs without the RHT, with columnwise data and compact scales. A
+/// compact scale grid's 128-byte line holds 8 bytes of each of 16 tiles (of 128x128
+/// values), so the banded launch (CTAs in bands of 8 tile rows) stores partial lines,
+/// which costs where the DRAM is slow for the SMs. Two launches mend that: clusters of
+/// 8x2 tiles (`tessera_nvfp4_both_c8x2_*`), run at once on one GPC so that their pieces
+/// of a line meet in L2, and two steps (`tessera_nvfp4_both_s2_*`, which stores each
+/// tile's scale bytes into a scratch of 2 KiB a tile, whole lines, then
+/// `tessera_nvfp4_scales_1d`, which writes the grids' rows). All three write the same
+/// bytes. Set it with [`set_nvfp4_launch`].
 ///
-/// Measured (the quantizer: amax pass and kernel; BENCHMARKS.md, sessions 44 and 45): on
-/// an H100 SXM, clusters took 3.4-3.6% less time at 16384x8192 and 2.4-2.5% less at
-/// 8192x8192 (2^26 values), but 1.2% more at 8192x4096 and 6.9% more at 4096x4096.
+/// Measured (the quantizer: amax pass and kernels, 39 runs alternated; BENCHMARKS.md,
+/// session 46), on an H100 SXM, of the two-pass floor:
+///
+/// | `[m, k]` | bands | clusters | two steps |
+/// |---|---:|---:|---:|
+/// | 16384x8192 | 0.855 | 0.886 | 0.895 |
+/// | 8192x8192 | 0.833 | 0.854 | 0.871 |
+/// | 8192x4096 | 0.876 | 0.864 | 0.847 |
+/// | 4096x4096 | 0.955 | 0.899 | 0.896 |
+///
+/// On an H200, whose compact stores cost the kernel about 2% (against a fifth on the
+/// H100), bands are the launch measured.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Nvfp4Launch {
-    /// Clusters for tensors of 2^26 values or more on devices whose DRAM moves at most
+    /// Two steps for tensors of 2^26 values or more on devices whose DRAM moves at most
     /// 15 bytes per SM clock and SM (an H100 SXM: 12.8; an H200: about 18.4 by its data
-    /// sheet, where the banded launch is the one measured), bands otherwise.
+    /// sheet), bands otherwise.
     #[default]
     Auto,
-    /// Clusters for every tensor the cluster kernel takes, on devices where a GPC holds
-    /// a cluster of 16 CTAs (not every MIG slice does; bands there).
+    /// Clusters for every tensor of more than 512 rows, on devices where a GPC holds a
+    /// cluster of 16 CTAs (not every MIG slice does); bands otherwise.
     Clusters,
     /// Bands always.
     Bands,
+    /// Two steps for every tensor (bands for one of more than 2^32 grid pieces of 8
+    /// bytes, which the second kernel cannot index: some 5 * 10^11 values).
+    TwoStep,
 }
 
 /// The process's [`Nvfp4Launch`], as its discriminant.
@@ -260,19 +274,24 @@ pub fn nvfp4_launch() -> Nvfp4Launch {
     match LAUNCH.load(Ordering::Relaxed) {
         x if x == Nvfp4Launch::Clusters as u8 => Nvfp4Launch::Clusters,
         x if x == Nvfp4Launch::Bands as u8 => Nvfp4Launch::Bands,
+        x if x == Nvfp4Launch::TwoStep as u8 => Nvfp4Launch::TwoStep,
         _ => Nvfp4Launch::Auto,
     }
 }
 
-/// The fewest values of a tensor that [`Nvfp4Launch::Auto`] launches in clusters: the
+/// The fewest values of a tensor that [`Nvfp4Launch::Auto`] quantizes in two steps: the
 /// H100's crossover (between 2^25 and 2^26 values).
-const CLUSTER_MIN_VALUES: usize = 1 << 26;
-/// Tensors of at most this many rows (4 tile rows) keep the banded launch, whose bands
-/// are then as tall as the tensor; a cluster's band is 8 tile rows.
+const TWO_STEP_1D_MIN_VALUES: usize = 1 << 26;
+/// The most DRAM bytes per SM clock and SM of a device that [`Nvfp4Launch::Auto`] takes
+/// two steps on.
+const SLOW_DRAM_BYTES_PER_SM_CLOCK: f64 = 15.0;
+/// Tensors of at most this many rows (4 tile rows) keep the banded launch under
+/// [`Nvfp4Launch::Clusters`], their bands then as tall as the tensor; a cluster's band is
+/// 8 tile rows.
 const CLUSTER_MIN_ROWS: usize = 512;
-/// The most DRAM bytes per SM clock and SM of a device that [`Nvfp4Launch::Auto`]
-/// launches in clusters on.
-const CLUSTER_MAX_DRAM_BYTES_PER_SM_CLOCK: f64 = 15.0;
+/// The most 8-byte pieces of a scale grid's rows that `tessera_nvfp4_scales_1d` takes (it
+/// indexes them in 32 bits, a grid of 256-thread CTAs).
+const TWO_STEP_1D_MAX_PIECES: usize = u32::MAX as usize - 255;
 
 /// DRAM bytes per SM clock and SM: 2 transfers a memory clock (`mem_khz`) over a bus of
 /// `bus_bits`, divided by `sms` SMs at `sm_khz`. None where the driver reports a zero
@@ -285,22 +304,22 @@ fn dram_bytes_per_sm_clock(mem_khz: i32, bus_bits: i32, sm_khz: i32, sms: u32) -
     Some(bytes_per_ms / (f64::from(sm_khz) * f64::from(sms)))
 }
 
-/// What the cluster launch needs to know of a device and entry point.
+/// What the launches of [`Nvfp4Launch`] need to know of a device and entry point.
 #[derive(Clone, Copy, Debug)]
-struct ClusterFit {
-    /// A GPC holds a cluster of 16 CTAs of the entry point (which is then allowed
-    /// clusters past the portable 8).
-    fits: bool,
-    /// The device's DRAM is slow enough for the SMs that [`Nvfp4Launch::Auto`] takes
-    /// clusters (see [`CLUSTER_MAX_DRAM_BYTES_PER_SM_CLOCK`]).
-    pays: bool,
+struct LaunchFit {
+    /// A GPC holds a cluster of 16 CTAs of `tessera_nvfp4_both_c8x2_*` (which is then
+    /// allowed clusters past the portable 8).
+    clusters: bool,
+    /// The device's DRAM is slow enough for the SMs that [`Nvfp4Launch::Auto`] takes two
+    /// steps (see [`SLOW_DRAM_BYTES_PER_SM_CLOCK`]).
+    slow_dram: bool,
 }
 
-/// [`ClusterFit`] of `tessera_nvfp4_both_c8x2_{sfx}` on `dev`, asked of the driver once
-/// per device and entry point.
-fn cluster_fit(dev: &CudaDevice, sfx: &'static str) -> Result<ClusterFit> {
-    const OP: &str = "cuda nvfp4 cluster launch";
-    static FIT: OnceLock<Mutex<HashMap<(usize, &'static str), ClusterFit>>> = OnceLock::new();
+/// [`LaunchFit`] of the `sfx` kernels on `dev`, asked of the driver once per device and
+/// entry point.
+fn launch_fit(dev: &CudaDevice, sfx: &'static str) -> Result<LaunchFit> {
+    const OP: &str = "cuda nvfp4 launch";
+    static FIT: OnceLock<Mutex<HashMap<(usize, &'static str), LaunchFit>>> = OnceLock::new();
     let key = (dev.ordinal(), sfx);
     let cache = FIT.get_or_init(Default::default);
     if let Some(&known) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
@@ -324,9 +343,9 @@ fn cluster_fit(dev: &CudaDevice, sfx: &'static str) -> Result<ClusterFit> {
         attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)?,
         dev.multiprocessors(),
     );
-    let known = ClusterFit {
-        fits: max_active_clusters(dev, &f, one_cluster, OP)? > 0,
-        pays: bytes.is_some_and(|b| b <= CLUSTER_MAX_DRAM_BYTES_PER_SM_CLOCK),
+    let known = LaunchFit {
+        clusters: max_active_clusters(dev, &f, one_cluster, OP)? > 0,
+        slow_dram: bytes.is_some_and(|b| b <= SLOW_DRAM_BYTES_PER_SM_CLOCK),
     };
     cache
         .lock()
@@ -335,21 +354,36 @@ fn cluster_fit(dev: &CudaDevice, sfx: &'static str) -> Result<ClusterFit> {
     Ok(known)
 }
 
-/// Whether the [`Nvfp4Launch`] kernel for an `[m, k]` tensor of `sfx` values launches
-/// in clusters on `dev` (the caller has checked the rest: 2-byte values, round to
-/// nearest without the RHT, columnwise data, compact scales).
-fn takes_clusters(dev: &CudaDevice, sfx: &'static str, m: usize, k: usize) -> Result<bool> {
-    if m <= CLUSTER_MIN_ROWS {
-        return Ok(false);
-    }
+/// The launches of the 1-D round-to-nearest both kernel with compact scales
+/// ([`Nvfp4Launch`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BothLaunch {
+    /// `tessera_nvfp4_both_*`, in bands of 8 tile rows.
+    Bands,
+    /// `tessera_nvfp4_both_c8x2_*`, in clusters of 8x2 tiles.
+    Clusters,
+    /// `tessera_nvfp4_both_s2_*` into a scratch, then `tessera_nvfp4_scales_1d`.
+    TwoStep,
+}
+
+/// How the [`Nvfp4Launch`] kernel for an `[m, k]` tensor of `sfx` values launches on
+/// `dev` (the caller has checked the rest: 2-byte values, round to nearest without the
+/// RHT, columnwise data, compact scales).
+fn both_launch(dev: &CudaDevice, sfx: &'static str, m: usize, k: usize) -> Result<BothLaunch> {
+    let pieces = (m * k.div_ceil(128)).max(k * m.div_ceil(128));
+    let two_step = |yes: bool| match yes && pieces <= TWO_STEP_1D_MAX_PIECES {
+        true => BothLaunch::TwoStep,
+        false => BothLaunch::Bands,
+    };
     Ok(match nvfp4_launch() {
-        Nvfp4Launch::Bands => false,
-        Nvfp4Launch::Clusters => cluster_fit(dev, sfx)?.fits,
+        Nvfp4Launch::Bands => BothLaunch::Bands,
+        Nvfp4Launch::TwoStep => two_step(true),
+        Nvfp4Launch::Clusters => match m > CLUSTER_MIN_ROWS && launch_fit(dev, sfx)?.clusters {
+            true => BothLaunch::Clusters,
+            false => BothLaunch::Bands,
+        },
         Nvfp4Launch::Auto => {
-            m * k >= CLUSTER_MIN_VALUES && {
-                let fit = cluster_fit(dev, sfx)?;
-                fit.fits && fit.pays
-            }
+            two_step(m * k >= TWO_STEP_1D_MIN_VALUES && launch_fit(dev, sfx)?.slow_dram)
         }
     })
 }
@@ -406,6 +440,21 @@ pub(crate) fn quantize_into(
         }
         false => None,
     };
+    // The 1-D round-to-nearest kernel of 2-byte inputs with compact scales launches as
+    // Nvfp4Launch says; in two steps (kernels/nvfp4.cu, flush_scratch and
+    // tessera_nvfp4_scales_1d) with 2 KiB of scratch a 128x128 tile, then a kernel a
+    // thread per 8 bytes of a tile's grid row.
+    let both = match tile_kernel == Some("") && two_byte && !swizzled && !row_only {
+        true => both_launch(&dev, sfx, m, k)?,
+        false => BothLaunch::Bands,
+    };
+    let scratch = match both == BothLaunch::TwoStep {
+        true => {
+            let bytes = m.div_ceil(128) * k.div_ceil(128) * 2048;
+            Some(Tensor::empty([bytes], DType::U8, x.device())?)
+        }
+        false => None,
+    };
     let col_tiles = k.div_ceil(256 * ROW_BLOCKS);
     let (name, cfg) = if row_only {
         let blocks = (m / 16) * col_tiles;
@@ -426,7 +475,12 @@ pub(crate) fn quantize_into(
             shared_mem_bytes: 0,
         };
         (format!("tessera_nvfp4_row_{sfx}"), cfg)
-    } else if tile_kernel == Some("") && two_byte && !swizzled && takes_clusters(&dev, sfx, m, k)? {
+    } else if scratch.is_some() {
+        (
+            format!("tessera_nvfp4_both_s2_{sfx}"),
+            banded_grid(OP, m, k, 128)?,
+        )
+    } else if both == BothLaunch::Clusters {
         (
             format!("tessera_nvfp4_both_c8x2_{sfx}"),
             banded_grid_padded(OP, m, k, 128)?,
@@ -499,6 +553,7 @@ pub(crate) fn quantize_into(
             amax_copy,
         };
         let blk_addr = blk.as_ref().map_or(Ok(0), |t| device_addr(&dev, t))?;
+        let scratch_addr = scratch.as_ref().map_or(Ok(0), |t| device_addr(&dev, t))?;
         let xa = device_addr(&dev, x)?;
         let (mu, ku, tiles) = (m as u64, k as u64, col_tiles as u64);
         let mut params = Params::default();
@@ -513,6 +568,8 @@ pub(crate) fn quantize_into(
             params.arg(&xa).arg(&args);
             if tiles_2d {
                 params.arg(&blk_addr);
+            } else if scratch.is_some() {
+                params.arg(&scratch_addr);
             }
         }
         // SAFETY: x is [m, k] with m, k multiples of 16 (checked by the quantizer); the
@@ -522,8 +579,9 @@ pub(crate) fn quantize_into(
         // stream (the spare is freed in stream order after it); null pointers mark absent
         // usages. The row kernel takes (const T* x, u64 m, u64 k, const float* amax, u8* q,
         // u8* s, u64 s_cols, int swizzled, u64 col_tiles), its grid covering (m / 16) x
-        // col_tiles tiles exactly; the others (const T* x, Nvfp4Args a), and the 2-D one
-        // also (u8* blk), the block grids allocated above or null, their tiles (128x128
+        // col_tiles tiles exactly; the others (const T* x, Nvfp4Args a), the 2-D one
+        // also (u8* blk), the block grids allocated above or null, the two-step one also
+        // (u8* scratch), 2048 bytes a 128x128 tile allocated above, their tiles (128x128
         // banded or 64x64) covering [m, k]. Every one reads nothing the amax pass
         // writes before pdl_wait(), and the amax pass ran last when there is no reduction.
         unsafe { launch_params(&dev, &f, cfg, OP, order, &mut params) }?;
@@ -564,10 +622,36 @@ pub(crate) fn quantize_into(
             // kernel calls pdl_first() before any memory access.
             unsafe { launch_params(&dev, &g, cfg, OP, Order::WaitFirst, &mut p) }?;
         }
+        if scratch.is_some() {
+            let g = dev.function(&NVFP4_PTX, "tessera_nvfp4_scales_1d")?;
+            // A thread per 8 bytes of a tile's grid row: m rows of ceil(k / 128) tiles
+            // rowwise, k rows of ceil(m / 128) columnwise (both_launch checked that the
+            // count fits the kernel's 32-bit index).
+            let pieces = (m * k.div_ceil(128)).max(k * m.div_ceil(128));
+            let cfg = LaunchConfig {
+                grid_dim: (pieces.div_ceil(256) as u32, 2, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut p = Params::default();
+            p.arg(&scratch_addr).arg(&args.m).arg(&args.k);
+            p.arg(&args.s_row).arg(&args.s_row_cols);
+            p.arg(&args.s_col).arg(&args.s_col_cols);
+            // SAFETY: (const u8* scratch, u64 m, u64 k, u8* s_row, u64 s_row_cols, u8*
+            // s_col, u64 s_col_cols): scratch the 2048 bytes a tile the kernel before
+            // filled for every tile (ceil(m / 128) x ceil(k / 128), as allocated above),
+            // the compact scale grids as above (rows of s_*_cols bytes, multiples of 4, at
+            // least k / 16 and m / 16; s_row null without rowwise data), a thread for
+            // each piece of the larger grid, whose count fits 32 bits (both_launch);
+            // the kernel calls pdl_first() before any memory access.
+            unsafe { launch_params(&dev, &g, cfg, OP, Order::WaitFirst, &mut p) }?;
+        }
         Ok(())
     });
-    // The block grid is freed in stream order, after the kernels that use it.
+    // The block grid and the scratch are freed in stream order, after the kernels that
+    // use them.
     drop(blk);
+    drop(scratch);
     amaxes.put_back(out);
     launched?;
     out.source_dtype = x.dtype();
@@ -636,11 +720,11 @@ mod tests {
     fn dram_bytes_per_sm_clock_by_card() {
         let h100 = dram_bytes_per_sm_clock(2_619_000, 5120, 1_980_000, 132).unwrap();
         assert!((h100 - 12.826).abs() < 1e-3, "{h100}");
-        assert!(h100 <= CLUSTER_MAX_DRAM_BYTES_PER_SM_CLOCK);
+        assert!(h100 <= SLOW_DRAM_BYTES_PER_SM_CLOCK);
         // 4.8 TB/s over a 6144-bit bus: 3125 MHz.
         let h200 = dram_bytes_per_sm_clock(3_125_000, 6144, 1_980_000, 132).unwrap();
         assert!((h200 - 18.365).abs() < 1e-3, "{h200}");
-        assert!(h200 > CLUSTER_MAX_DRAM_BYTES_PER_SM_CLOCK);
+        assert!(h200 > SLOW_DRAM_BYTES_PER_SM_CLOCK);
         assert_eq!(dram_bytes_per_sm_clock(0, 5120, 1_980_000, 132), None);
         assert_eq!(dram_bytes_per_sm_clock(2_619_000, 5120, 1_980_000, 0), None);
     }
@@ -656,16 +740,19 @@ mod tests {
         let name = dev.name().to_string();
         let whole = !name.contains("MIG");
         for sfx in ["bf16", "f16"] {
-            let fit = cluster_fit(&dev, sfx).unwrap();
-            assert_eq!(fit.fits, whole, "{name} {sfx}");
+            let fit = launch_fit(&dev, sfx).unwrap();
+            assert_eq!(fit.clusters, whole, "{name} {sfx}");
             if name.contains("H100") && name.contains("HBM3") {
-                assert!(fit.pays, "{name}");
+                assert!(fit.slow_dram, "{name}");
             } else if name.contains("H200") {
-                assert!(!fit.pays, "{name}");
+                assert!(!fit.slow_dram, "{name}");
             }
             // Asked again: the cached answer.
-            let again = cluster_fit(&dev, sfx).unwrap();
-            assert_eq!((again.fits, again.pays), (fit.fits, fit.pays));
+            let again = launch_fit(&dev, sfx).unwrap();
+            assert_eq!(
+                (again.clusters, again.slow_dram),
+                (fit.clusters, fit.slow_dram)
+            );
         }
     }
 }
