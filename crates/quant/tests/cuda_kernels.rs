@@ -1262,25 +1262,16 @@ fn nvfp4_fast_path_matches_the_cpu() {
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn nvfp4_cluster_launch_matches_the_cpu() {
     require_gpu();
-    under_nvfp4_launch(tessera_quant::cuda::Nvfp4Launch::Clusters, || {
-        let mut seed = 2700;
-        let mut cases = vec![];
-        for dtype in [DType::BF16, DType::F16] {
-            for odd in [false, true] {
-                cases.push(([4112, 16400], dtype, odd, Usage::Both));
-            }
+    let mut cases = vec![];
+    for dtype in [DType::BF16, DType::F16] {
+        for odd in [false, true] {
+            cases.push(([4112, 16400], dtype, odd, Usage::Both));
         }
-        cases.push(([8192, 8192], DType::BF16, false, Usage::Columnwise));
-        cases.push(([528, 4096], DType::BF16, true, Usage::Both));
-        cases.push(([2048, 1056], DType::F16, false, Usage::Both));
-        for (shape, dtype, odd, usage) in cases {
-            seed += 1;
-            let x = tame_input(&shape, dtype, seed, odd);
-            let mut q = Nvfp4Quantizer::new().with_usage(usage);
-            let what = format!("nvfp4 clusters {shape:?} {dtype} odd={odd} {usage:?}");
-            check_quantizer(&mut q, &x, &what);
-        }
-    });
+    }
+    cases.push(([8192, 8192], DType::BF16, false, Usage::Columnwise));
+    cases.push(([528, 4096], DType::BF16, true, Usage::Both));
+    cases.push(([2048, 1056], DType::F16, false, Usage::Both));
+    check_nvfp4_launch(tessera_quant::cuda::Nvfp4Launch::Clusters, 2700, &cases);
 }
 
 /// The round-to-nearest 1-D kernel with two-step compact scales (`Nvfp4Launch::TwoStep`,
@@ -1291,33 +1282,29 @@ fn nvfp4_cluster_launch_matches_the_cpu() {
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn nvfp4_two_step_scales_match_the_cpu() {
     require_gpu();
-    under_nvfp4_launch(tessera_quant::cuda::Nvfp4Launch::TwoStep, || {
-        let mut seed = 2900;
-        let mut cases = vec![];
-        for dtype in [DType::BF16, DType::F16] {
-            for odd in [false, true] {
-                cases.push(([4112, 16400], dtype, odd, Usage::Both));
-            }
+    let mut cases = vec![];
+    for dtype in [DType::BF16, DType::F16] {
+        for odd in [false, true] {
+            cases.push(([4112, 16400], dtype, odd, Usage::Both));
         }
-        cases.push(([1040, 4160], DType::BF16, true, Usage::Both));
-        cases.push(([2048, 1056], DType::F16, false, Usage::Columnwise));
-        cases.push(([128, 128], DType::BF16, true, Usage::Both));
-        cases.push(([16, 64], DType::F16, false, Usage::Both));
-        for (shape, dtype, odd, usage) in cases {
-            seed += 1;
-            let x = tame_input(&shape, dtype, seed, odd);
-            let mut q = Nvfp4Quantizer::new().with_usage(usage);
-            let what = format!("nvfp4 two-step {shape:?} {dtype} odd={odd} {usage:?}");
-            check_quantizer(&mut q, &x, &what);
-        }
-    });
+    }
+    cases.push(([1040, 4160], DType::BF16, true, Usage::Both));
+    cases.push(([2048, 1056], DType::F16, false, Usage::Columnwise));
+    cases.push(([128, 128], DType::BF16, true, Usage::Both));
+    cases.push(([16, 64], DType::F16, false, Usage::Both));
+    check_nvfp4_launch(tessera_quant::cuda::Nvfp4Launch::TwoStep, 2900, &cases);
 }
 
-/// Runs `f` with the process's NVFP4 launch set to `launch` (asserted), and puts
-/// [`Nvfp4Launch::Auto`](tessera_quant::cuda::Nvfp4Launch) back when `f` returns or
-/// panics. The setting is the process's: other tests running meanwhile take it too, with
-/// the same bytes.
-fn under_nvfp4_launch(launch: tessera_quant::cuda::Nvfp4Launch, f: impl FnOnce()) {
+/// Checks the 1-D round-to-nearest quantizer against the CPU on each case (shape, dtype,
+/// odd input, usage; seeds from `seed` + 1 up) with the process's NVFP4 launch set to
+/// `launch` (asserted); puts [`Nvfp4Launch::Auto`](tessera_quant::cuda::Nvfp4Launch)
+/// back when it returns or panics. The setting is the process's: other tests running
+/// meanwhile take it too, with the same bytes.
+fn check_nvfp4_launch(
+    launch: tessera_quant::cuda::Nvfp4Launch,
+    seed: u64,
+    cases: &[([usize; 2], DType, bool, Usage)],
+) {
     use tessera_quant::cuda;
     /// Puts the automatic launch back on drop, so on a panic too.
     struct Restore;
@@ -1329,7 +1316,12 @@ fn under_nvfp4_launch(launch: tessera_quant::cuda::Nvfp4Launch, f: impl FnOnce()
     let _restore = Restore;
     cuda::set_nvfp4_launch(launch);
     assert_eq!(cuda::nvfp4_launch(), launch);
-    f();
+    for (i, &(shape, dtype, odd, usage)) in cases.iter().enumerate() {
+        let x = tame_input(&shape, dtype, seed + 1 + i as u64, odd);
+        let mut q = Nvfp4Quantizer::new().with_usage(usage);
+        let what = format!("nvfp4 {launch:?} {shape:?} {dtype} odd={odd} {usage:?}");
+        check_quantizer(&mut q, &x, &what);
+    }
 }
 
 /// The 1-D kernels of TE's recipes for 2-byte inputs (the RHT on the columnwise operand,
