@@ -304,54 +304,63 @@ fn dram_bytes_per_sm_clock(mem_khz: i32, bus_bits: i32, sm_khz: i32, sms: u32) -
     Some(bytes_per_ms / (f64::from(sm_khz) * f64::from(sms)))
 }
 
-/// What the launches of [`Nvfp4Launch`] need to know of a device and entry point.
-#[derive(Clone, Copy, Debug)]
-struct LaunchFit {
-    /// A GPC holds a cluster of 16 CTAs of `tessera_nvfp4_both_c8x2_*` (which is then
-    /// allowed clusters past the portable 8).
-    clusters: bool,
-    /// The device's DRAM is slow enough for the SMs that [`Nvfp4Launch::Auto`] takes two
-    /// steps (see [`SLOW_DRAM_BYTES_PER_SM_CLOCK`]).
-    slow_dram: bool,
-}
+/// A driver's answer about a device, asked once per key for the process.
+type Answers<K> = OnceLock<Mutex<HashMap<K, bool>>>;
 
-/// [`LaunchFit`] of the `sfx` kernels on `dev`, asked of the driver once per device and
-/// entry point.
-fn launch_fit(dev: &CudaDevice, sfx: &'static str) -> Result<LaunchFit> {
-    const OP: &str = "cuda nvfp4 launch";
-    static FIT: OnceLock<Mutex<HashMap<(usize, &'static str), LaunchFit>>> = OnceLock::new();
-    let key = (dev.ordinal(), sfx);
-    let cache = FIT.get_or_init(Default::default);
+/// The cached answer for `key`, or `ask`'s (then cached; an error is not).
+fn answer<K: Copy + Eq + std::hash::Hash>(
+    cache: &'static Answers<K>,
+    key: K,
+    ask: impl FnOnce() -> Result<bool>,
+) -> Result<bool> {
+    let cache = cache.get_or_init(Default::default);
     if let Some(&known) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return Ok(known);
     }
-    let f = dev.function(&NVFP4_PTX, &format!("tessera_nvfp4_both_c8x2_{sfx}"))?;
-    f.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-        1,
-    )
-    .cuda_op(OP)?;
-    let one_cluster = LaunchConfig {
-        grid_dim: (16, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let attr = |a| dev.context().attribute(a).cuda_op("cuDeviceGetAttribute");
-    let bytes = dram_bytes_per_sm_clock(
-        attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)?,
-        attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)?,
-        attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)?,
-        dev.multiprocessors(),
-    );
-    let known = LaunchFit {
-        clusters: max_active_clusters(dev, &f, one_cluster, OP)? > 0,
-        slow_dram: bytes.is_some_and(|b| b <= SLOW_DRAM_BYTES_PER_SM_CLOCK),
-    };
+    let known = ask()?;
     cache
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .insert(key, known);
     Ok(known)
+}
+
+/// Whether `dev`'s DRAM is slow enough for its SMs that [`Nvfp4Launch::Auto`] takes two
+/// steps (at most [`SLOW_DRAM_BYTES_PER_SM_CLOCK`], from the driver's attributes; false
+/// where it reports a zero).
+fn slow_dram(dev: &CudaDevice) -> Result<bool> {
+    static SLOW: Answers<usize> = OnceLock::new();
+    answer(&SLOW, dev.ordinal(), || {
+        let attr = |a| dev.context().attribute(a).cuda_op("cuDeviceGetAttribute");
+        let bytes = dram_bytes_per_sm_clock(
+            attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)?,
+            attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)?,
+            attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)?,
+            dev.multiprocessors(),
+        );
+        Ok(bytes.is_some_and(|b| b <= SLOW_DRAM_BYTES_PER_SM_CLOCK))
+    })
+}
+
+/// Whether a GPC of `dev` holds a cluster of 16 CTAs of `tessera_nvfp4_both_c8x2_{sfx}`
+/// (which is then allowed clusters past the portable 8).
+fn clusters_fit(dev: &CudaDevice, sfx: &'static str) -> Result<bool> {
+    const OP: &str = "cuda nvfp4 cluster launch";
+    static FIT: Answers<(usize, &'static str)> = OnceLock::new();
+    answer(&FIT, (dev.ordinal(), sfx), || {
+        let f = dev.function(&NVFP4_PTX, &format!("tessera_nvfp4_both_c8x2_{sfx}"))?;
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+            1,
+        )
+        .cuda_op(OP)?;
+        let one_cluster = LaunchConfig {
+            grid_dim: (16, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        Ok(max_active_clusters(dev, &f, one_cluster, OP)? > 0)
+    })
 }
 
 /// The launches of the 1-D round-to-nearest both kernel with compact scales
@@ -378,13 +387,11 @@ fn both_launch(dev: &CudaDevice, sfx: &'static str, m: usize, k: usize) -> Resul
     Ok(match nvfp4_launch() {
         Nvfp4Launch::Bands => BothLaunch::Bands,
         Nvfp4Launch::TwoStep => two_step(true),
-        Nvfp4Launch::Clusters => match m > CLUSTER_MIN_ROWS && launch_fit(dev, sfx)?.clusters {
+        Nvfp4Launch::Clusters => match m > CLUSTER_MIN_ROWS && clusters_fit(dev, sfx)? {
             true => BothLaunch::Clusters,
             false => BothLaunch::Bands,
         },
-        Nvfp4Launch::Auto => {
-            two_step(m * k >= TWO_STEP_1D_MIN_VALUES && launch_fit(dev, sfx)?.slow_dram)
-        }
+        Nvfp4Launch::Auto => two_step(m * k >= TWO_STEP_1D_MIN_VALUES && slow_dram(dev)?),
     })
 }
 
@@ -739,20 +746,17 @@ mod tests {
         let dev = tessera_core::cuda::device(0).unwrap();
         let name = dev.name().to_string();
         let whole = !name.contains("MIG");
-        for sfx in ["bf16", "f16"] {
-            let fit = launch_fit(&dev, sfx).unwrap();
-            assert_eq!(fit.clusters, whole, "{name} {sfx}");
-            if name.contains("H100") && name.contains("HBM3") {
-                assert!(fit.slow_dram, "{name}");
-            } else if name.contains("H200") {
-                assert!(!fit.slow_dram, "{name}");
-            }
-            // Asked again: the cached answer.
-            let again = launch_fit(&dev, sfx).unwrap();
-            assert_eq!(
-                (again.clusters, again.slow_dram),
-                (fit.clusters, fit.slow_dram)
-            );
+        let slow = slow_dram(&dev).unwrap();
+        if name.contains("H100") && name.contains("HBM3") {
+            assert!(slow, "{name}");
+        } else if name.contains("H200") {
+            assert!(!slow, "{name}");
         }
+        for sfx in ["bf16", "f16"] {
+            assert_eq!(clusters_fit(&dev, sfx).unwrap(), whole, "{name} {sfx}");
+            // Asked again: the cached answers.
+            assert_eq!(clusters_fit(&dev, sfx).unwrap(), whole, "{name} {sfx}");
+        }
+        assert_eq!(slow_dram(&dev).unwrap(), slow, "{name}");
     }
 }
