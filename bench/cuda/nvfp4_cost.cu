@@ -13,7 +13,9 @@
 // clusters of tiles; NC_TWO_STEP=1 compact scales written through a per-tile scratch
 // and a second kernel, whose bytes must hash as the shipped kernel's; NC_PLACE=1 the
 // shipped flush launched in clusters of 16 and 8 tiles; NC_LEAN=1 leaner prologues (one
-// encode-scale table filled by warps 0-3, loads behind a branch), same bytes.
+// encode-scale table filled by warps 0-3, loads behind a branch), same bytes; NC_GROUP=1
+// compact scales written by the last CTA of each group of 16 tiles sharing their lines,
+// from a per-tile scratch, same bytes.
 // Build on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
 //        bench/cuda/nvfp4_cost.cu -o nc && ./nc
@@ -219,6 +221,80 @@ __global__ void __launch_bounds__(256) to_compact(const Nvfp4Args a) {
     *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src);
 }
 
+// Compact scales by groups (NC_GROUP): each CTA writes its staged bytes into the
+// scratch grids as ScratchScales does, then counts itself into its rowwise group (the 16
+// tiles of its tile row whose compact rows share 128-byte pieces: tile columns 16 g ..
+// 16 g + 15) and its columnwise group (tile rows 16 g .. of its tile column); the CTA
+// that completes a group writes the group's 128 grid rows of up to 128 bytes, whole
+// lines, from the scratch (still in L2), and with Discard drops the scratch lines from L2
+// unwritten (discard.global.L2). The counters (g_counters: rowwise groups, then
+// columnwise) start at zero and the completing CTA puts its group's back. Release: the
+// writers fence before the count; acquire: the completing CTA fences after it.
+__device__ uint32_t* g_counters;
+// Fence = false and Write = false are for measuring what the fences and the group's
+// writes cost (without the fences the bytes are not guaranteed; without the writes the
+// grids are wrong on purpose).
+template <bool Discard, bool Fence = true, bool Write = true> struct GroupScales : BothParts {
+    static __device__ __forceinline__ void flush(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0) {
+        __shared__ uint32_t last[2];
+        const int t = threadIdx.x;
+        ScratchScales::flush(s, a, R0, C0);
+        if (Fence && t < 128) __threadfence();
+        __syncthreads();
+        const uint32_t gy = (uint32_t)((a.k + 127) / 128), gx = (uint32_t)((a.m + 127) / 128);
+        const uint32_t tr = (uint32_t)(R0 / 128), tc = (uint32_t)(C0 / 128);
+        if (t < 2) {
+            const uint32_t idx = t == 0 ? tr * ((gy + 15) / 16) + tc / 16 : gx * ((gy + 15) / 16) + tc * ((gx + 15) / 16) + tr / 16;
+            const uint32_t size = t == 0 ? min(16u, gy - tc / 16 * 16) : min(16u, gx - tr / 16 * 16);
+            const bool done = atomicAdd(&g_counters[idx], 1u) == size - 1;
+            if (done) g_counters[idx] = 0;
+            last[t] = done;
+        }
+        __syncthreads();
+        const bool rows = last[0] != 0, cols = last[1] != 0;
+        if (!rows && !cols) return;
+        if (!Write) return;
+        if (Fence) __threadfence();
+        // 128 grid rows x 16 tiles of 8 bytes: piece p = t + 256 i, row p / 16, tile p % 16.
+        if (rows) {
+            const uint32_t g0 = tc / 16 * 16, n = min(16u, gy - g0);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const uint32_t p = t + 256 * i, r = p / 16, j = p % 16;
+                if (j < n) {
+                    const uint2 v = __ldcg(reinterpret_cast<const uint2*>(g_scratch_row + ((u64)tr * gy + g0 + j) * 1024 + r * 8));
+                    *reinterpret_cast<uint2*>(a.s_row + (R0 + r) * a.s_row_cols + (g0 + j) * 8) = v;
+                }
+            }
+        }
+        if (cols) {
+            const uint32_t g0 = tr / 16 * 16, n = min(16u, gx - g0);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const uint32_t p = t + 256 * i, c = p / 16, j = p % 16;
+                if (j < n) {
+                    const uint2 v = __ldcg(reinterpret_cast<const uint2*>(g_scratch_col + ((u64)(g0 + j) * gy + tc) * 1024 + c * 8));
+                    *reinterpret_cast<uint2*>(a.s_col + (C0 + c) * a.s_col_cols + (g0 + j) * 8) = v;
+                }
+            }
+        }
+        if (!Discard) return;
+        __syncthreads();
+        // 16 tiles x 8 lines a grid: thread t < 128 the line t % 8 of tile t / 8.
+        if (t < 128) {
+            const uint32_t j = t / 8, l = t % 8;
+            if (rows && j < min(16u, gy - tc / 16 * 16)) {
+                const uint8_t* p = g_scratch_row + ((u64)tr * gy + tc / 16 * 16 + j) * 1024 + l * 128;
+                asm volatile("discard.global.L2 [%0], 128;" ::"l"(p) : "memory");
+            }
+            if (cols && j < min(16u, gx - tr / 16 * 16)) {
+                const uint8_t* p = g_scratch_col + ((u64)(tr / 16 * 16 + j) * gy + tc) * 1024 + l * 128;
+                asm volatile("discard.global.L2 [%0], 128;" ::"l"(p) : "memory");
+            }
+        }
+    }
+};
+
 // The shipped flush, with the L2 lines its compact scale bytes go to prefetched when
 // the CTA starts (thread t < 128: the line of rowwise scale row R0 + t, else of
 // columnwise row C0 + t - 128).
@@ -421,6 +497,45 @@ static void run_shape(u64 M, u64 K) {
             CK(cudaFree(tr));
             CK(cudaFree(tc));
         };
+        // The group flush (GroupScales), hashed against the shipped kernel's.
+        auto run_group = [&] {
+            uint8_t *tr, *tc;
+            uint32_t* cnt;
+            const u64 gx = (M + 127) / 128, gy = (K + 127) / 128;
+            const u64 groups = gx * ((gy + 15) / 16) + gy * ((gx + 15) / 16);
+            CK(cudaMalloc(&tr, n / 16));
+            CK(cudaMalloc(&tc, n / 16));
+            CK(cudaMalloc(&cnt, groups * 4));
+            CK(cudaMemset(cnt, 0, groups * 4));
+            CK(cudaMemcpyToSymbol(g_scratch_row, &tr, sizeof tr));
+            CK(cudaMemcpyToSymbol(g_scratch_col, &tc, sizeof tc));
+            CK(cudaMemcpyToSymbol(g_counters, &cnt, sizeof cnt));
+            run(cost_var<GroupScales<false>>, "groups of 16 tiles, last CTA writes");
+            run(cost_var<GroupScales<true>>, "groups, last CTA writes, scratch discarded");
+            run(cost_var<GroupScales<true, false>>, "groups, no fences (bytes not guaranteed)");
+            run(cost_var<GroupScales<false, true, false>>, "groups counted, fenced, not written");
+            run(cost_var<GroupScales<false, false, false>>, "groups counted, not fenced or written");
+            std::vector<uint32_t> h(groups);
+            CK(cudaMemcpy(h.data(), cnt, groups * 4, cudaMemcpyDeviceToHost));
+            u64 left = 0;
+            for (uint32_t c : h) left += c;
+            std::printf("  group counters left nonzero: %llu (expect 0)\n", (unsigned long long)left);
+            CK(cudaFree(tr));
+            CK(cudaFree(tc));
+            CK(cudaFree(cnt));
+        };
+        if (std::getenv("NC_GROUP") != nullptr) {
+            // The group flush against the shipped kernel, the two-step scales and the
+            // bounds; three rounds (compact scales only).
+            if (swz) continue;
+            for (int pass = 0; pass < 3; ++pass) {
+                run(tessera_nvfp4_both_bf16, "shipped");
+                run_group();
+                run_two_step();
+                run(cost_var<ContiguousScales>, "contiguous per CTA (wrong places)");
+            }
+            continue;
+        }
         if (std::getenv("NC_TWO_STEP") != nullptr) {
             if (swz) continue;
             run(tessera_nvfp4_both_bf16, "shipped");
