@@ -450,7 +450,7 @@ pub(crate) fn quantize_into(
     // The 1-D round-to-nearest kernel of 2-byte inputs with compact scales launches as
     // Nvfp4Launch says; in two steps (kernels/nvfp4.cu, flush_scratch and
     // tessera_nvfp4_scales_1d) with 2 KiB of scratch a 128x128 tile, then a kernel a
-    // thread per 8 bytes of a tile's grid row.
+    // thread per 32 bytes of a tile's scratch.
     let both = match tile_kernel == Some("") && two_byte && !swizzled && !row_only {
         true => both_launch(&dev, sfx, m, k)?,
         false => BothLaunch::Bands,
@@ -631,12 +631,13 @@ pub(crate) fn quantize_into(
         }
         if scratch.is_some() {
             let g = dev.function(&NVFP4_PTX, "tessera_nvfp4_scales_1d")?;
-            // A thread per 8 bytes of a tile's grid row: m rows of ceil(k / 128) tiles
-            // rowwise, k rows of ceil(m / 128) columnwise (both_launch checked that the
-            // count fits the kernel's 32-bit index).
-            let pieces = (m * k.div_ceil(128)).max(k * m.div_ceil(128));
+            // A thread per 32 bytes of a tile's scratch (4 grid rows of 8 bytes): m / 4
+            // row quads of ceil(k / 128) tiles rowwise, k / 4 of ceil(m / 128)
+            // columnwise (both_launch checked that 4 times the count fits the kernel's
+            // 32-bit index).
+            let quads = (m / 4 * k.div_ceil(128)).max(k / 4 * m.div_ceil(128));
             let cfg = LaunchConfig {
-                grid_dim: (pieces.div_ceil(256) as u32, 2, 1),
+                grid_dim: (quads.div_ceil(256) as u32, 2, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -648,8 +649,9 @@ pub(crate) fn quantize_into(
             // s_col, u64 s_col_cols): scratch the 2048 bytes a tile the kernel before
             // filled for every tile (ceil(m / 128) x ceil(k / 128), as allocated above),
             // the compact scale grids as above (rows of s_*_cols bytes, multiples of 4, at
-            // least k / 16 and m / 16; s_row null without rowwise data), a thread for
-            // each piece of the larger grid, whose count fits 32 bits (both_launch);
+            // least k / 16 and m / 16; s_row null without rowwise data), m and k
+            // multiples of 16 (checked by the quantizer), a thread for each quad of the
+            // larger grid, whose count fits 32 bits (both_launch);
             // the kernel calls pdl_first() before any memory access.
             unsafe { launch_params(&dev, &g, cfg, OP, Order::WaitFirst, &mut p) }?;
         }
