@@ -289,8 +289,9 @@ const SLOW_DRAM_BYTES_PER_SM_CLOCK: f64 = 15.0;
 /// [`Nvfp4Launch::Clusters`], their bands then as tall as the tensor; a cluster's band is
 /// 8 tile rows.
 const CLUSTER_MIN_ROWS: usize = 512;
-/// The most 8-byte pieces of a scale grid's rows that `tessera_nvfp4_scales_1d` takes (it
-/// indexes them in 32 bits, a grid of 256-thread CTAs).
+/// The most 8-byte pieces of a scale grid's rows (rows times tiles a row) that two steps
+/// take: `tessera_nvfp4_scales_1d` numbers its threads (a quarter as many) and the grid
+/// rows (at most as many) in 32 bits.
 const TWO_STEP_1D_MAX_PIECES: usize = u32::MAX as usize - 255;
 
 /// DRAM bytes per SM clock and SM: 2 transfers a memory clock (`mem_khz`) over a bus of
