@@ -380,19 +380,36 @@ enum BothLaunch {
 /// `dev` (the caller has checked the rest: 2-byte values, round to nearest without the
 /// RHT, columnwise data, compact scales).
 fn both_launch(dev: &CudaDevice, sfx: &'static str, m: usize, k: usize) -> Result<BothLaunch> {
+    choose_both_launch(
+        nvfp4_launch(),
+        m,
+        k,
+        || slow_dram(dev),
+        || clusters_fit(dev, sfx),
+    )
+}
+
+/// [`both_launch`]'s rule, the device's answers asked only where the choice needs them.
+fn choose_both_launch(
+    setting: Nvfp4Launch,
+    m: usize,
+    k: usize,
+    slow_dram: impl FnOnce() -> Result<bool>,
+    clusters_fit: impl FnOnce() -> Result<bool>,
+) -> Result<BothLaunch> {
     let pieces = (m * k.div_ceil(128)).max(k * m.div_ceil(128));
     let two_step = |yes: bool| match yes && pieces <= TWO_STEP_1D_MAX_PIECES {
         true => BothLaunch::TwoStep,
         false => BothLaunch::Bands,
     };
-    Ok(match nvfp4_launch() {
+    Ok(match setting {
         Nvfp4Launch::Bands => BothLaunch::Bands,
         Nvfp4Launch::TwoStep => two_step(true),
-        Nvfp4Launch::Clusters => match m > CLUSTER_MIN_ROWS && clusters_fit(dev, sfx)? {
+        Nvfp4Launch::Clusters => match m > CLUSTER_MIN_ROWS && clusters_fit()? {
             true => BothLaunch::Clusters,
             false => BothLaunch::Bands,
         },
-        Nvfp4Launch::Auto => two_step(m * k >= TWO_STEP_1D_MIN_VALUES && slow_dram(dev)?),
+        Nvfp4Launch::Auto => two_step(m * k >= TWO_STEP_1D_MIN_VALUES && slow_dram()?),
     })
 }
 
@@ -737,6 +754,42 @@ mod tests {
         assert!(h200 > SLOW_DRAM_BYTES_PER_SM_CLOCK);
         assert_eq!(dram_bytes_per_sm_clock(0, 5120, 1_980_000, 132), None);
         assert_eq!(dram_bytes_per_sm_clock(2_619_000, 5120, 1_980_000, 0), None);
+    }
+
+    /// The launch rule: `Auto` takes two steps from 2^26 values where the DRAM is slow
+    /// and asks the device nothing below that; `Clusters` needs more than 512 rows and a
+    /// GPC that holds the cluster; `TwoStep` falls back to bands past the scales kernel's
+    /// 32-bit index; a driver error is passed on.
+    #[test]
+    fn both_launch_by_setting_shape_and_device() {
+        use BothLaunch::{Bands, Clusters, TwoStep};
+        use Nvfp4Launch as L;
+        let yes = || Ok(true);
+        let no = || Ok(false);
+        let unasked = || -> Result<bool> { panic!("the device was asked") };
+        let choose = |s, m, k, slow: &dyn Fn() -> Result<bool>, fit: &dyn Fn() -> Result<bool>| {
+            choose_both_launch(s, m, k, slow, fit).unwrap()
+        };
+        // Auto: 2^26 values is the first size that takes two steps, on slow DRAM only.
+        assert_eq!(choose(L::Auto, 8192, 8192, &yes, &unasked), TwoStep);
+        assert_eq!(choose(L::Auto, 16384, 8192, &no, &unasked), Bands);
+        assert_eq!(choose(L::Auto, 8192, 8192 - 16, &unasked, &unasked), Bands);
+        assert_eq!(choose(L::Auto, 16, 1 << 22, &yes, &unasked), TwoStep);
+        // Forced launches.
+        assert_eq!(choose(L::Bands, 16384, 8192, &unasked, &unasked), Bands);
+        assert_eq!(choose(L::TwoStep, 16, 16, &unasked, &unasked), TwoStep);
+        assert_eq!(choose(L::Clusters, 528, 4096, &unasked, &yes), Clusters);
+        assert_eq!(choose(L::Clusters, 528, 4096, &unasked, &no), Bands);
+        assert_eq!(choose(L::Clusters, 512, 1 << 20, &unasked, &unasked), Bands);
+        // Past 2^32 - 256 pieces of 8 bytes (m rows of ceil(k / 128) tiles): bands.
+        let (m, k) = (1 << 24, (1 << 15) - 128);
+        assert_eq!(choose(L::TwoStep, m, k, &unasked, &unasked), TwoStep);
+        assert_eq!(choose(L::TwoStep, m, k + 128, &unasked, &unasked), Bands);
+        assert_eq!(choose(L::TwoStep, k + 128, m, &unasked, &unasked), Bands);
+        assert_eq!(choose(L::Auto, m, k + 128, &yes, &unasked), Bands);
+        // A driver error reaches the caller.
+        let err = || Err(Error::shape("test", "driver says no"));
+        assert!(choose_both_launch(L::Auto, 8192, 8192, err, no).is_err());
     }
 
     /// A whole sm_90 GPU holds clusters of 16 CTAs of the cluster-launched kernel (a MIG
