@@ -200,6 +200,24 @@ struct ScratchScales : BothParts {
         *dst = make_uint4(src[0], src[1], src[2], src[3]);
     }
 };
+// The scratch grids of n values (n / 16 bytes each), allocated and set into
+// g_scratch_row and g_scratch_col for the object's life.
+struct ScratchGrids {
+    uint8_t *row, *col;
+    explicit ScratchGrids(u64 n) {
+        CK(cudaMalloc(&row, n / 16));
+        CK(cudaMalloc(&col, n / 16));
+        CK(cudaMemcpyToSymbol(g_scratch_row, &row, sizeof row));
+        CK(cudaMemcpyToSymbol(g_scratch_col, &col, sizeof col));
+    }
+    ScratchGrids(const ScratchGrids&) = delete;
+    ScratchGrids& operator=(const ScratchGrids&) = delete;
+    ~ScratchGrids() {
+        cudaFree(row);
+        cudaFree(col);
+    }
+};
+
 // Scratch grids to compact ones (harness shapes: multiples of 128, pitches multiples of 8).
 __global__ void __launch_bounds__(256) to_compact(const Nvfp4Args a) {
     const uint32_t gy = (uint32_t)((a.k + 127) / 128), gx = (uint32_t)((a.m + 127) / 128);
@@ -479,11 +497,7 @@ static void run_shape(u64 M, u64 K) {
         // The two-step compact scales, timed as one (both launches), hashed against
         // the shipped kernel's.
         auto run_two_step = [&] {
-            uint8_t *tr, *tc;
-            CK(cudaMalloc(&tr, n / 16));
-            CK(cudaMalloc(&tc, n / 16));
-            CK(cudaMemcpyToSymbol(g_scratch_row, &tr, sizeof tr));
-            CK(cudaMemcpyToSymbol(g_scratch_col, &tc, sizeof tc));
+            const ScratchGrids scratch(n);
             b.clear();
             const unsigned g2 = (unsigned)((2 * (n / 128) + 255) / 256);
             const float t = time_ms([&] {
@@ -494,21 +508,15 @@ static void run_shape(u64 M, u64 K) {
                           b.outputs());
             const float t2 = time_ms([&] { to_compact<<<g2, 256>>>(a); });
             report_hashes("to_compact alone", t2, 4.0 * (n / 16), b.copy_gbs, {{b.sr, n / 16}, {b.sc, n / 16}});
-            CK(cudaFree(tr));
-            CK(cudaFree(tc));
         };
         // The group flush (GroupScales), hashed against the shipped kernel's.
         auto run_group = [&] {
-            uint8_t *tr, *tc;
+            const ScratchGrids scratch(n);
             uint32_t* cnt;
             const u64 gx = (M + 127) / 128, gy = (K + 127) / 128;
             const u64 groups = gx * ((gy + 15) / 16) + gy * ((gx + 15) / 16);
-            CK(cudaMalloc(&tr, n / 16));
-            CK(cudaMalloc(&tc, n / 16));
             CK(cudaMalloc(&cnt, groups * 4));
             CK(cudaMemset(cnt, 0, groups * 4));
-            CK(cudaMemcpyToSymbol(g_scratch_row, &tr, sizeof tr));
-            CK(cudaMemcpyToSymbol(g_scratch_col, &tc, sizeof tc));
             CK(cudaMemcpyToSymbol(g_counters, &cnt, sizeof cnt));
             run(cost_var<GroupScales<false>>, "groups of 16 tiles, last CTA writes");
             run(cost_var<GroupScales<true>>, "groups, last CTA writes, scratch discarded");
@@ -520,8 +528,6 @@ static void run_shape(u64 M, u64 K) {
             u64 left = 0;
             for (uint32_t c : h) left += c;
             std::printf("  group counters left nonzero: %llu (expect 0)\n", (unsigned long long)left);
-            CK(cudaFree(tr));
-            CK(cudaFree(tc));
             CK(cudaFree(cnt));
         };
         if (std::getenv("NC_GROUP") != nullptr) {

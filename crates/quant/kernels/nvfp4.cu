@@ -1390,17 +1390,19 @@ struct BothClusters : BothParts {
 NVFP4_CLUSTERS(bf16, __nv_bfloat16)
 NVFP4_CLUSTERS(f16, __half)
 
-// The round-to-nearest both kernel with two-step compact scales: each tile's staged
-// bytes into `scratch` (2 KiB a tile), then tessera_nvfp4_scales_1d. (The harness's
-// ScratchScales + to_compact took 0.1689-0.1691 ms at 16384x8192 on an H100, against
-// 0.1821-0.1825 for the one-step flush and 0.1713 in clusters; BENCHMARKS.md, session 45.)
-#define NVFP4_TWO_STEP(SUFFIX, T)                                                               \
-    extern "C" __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) tessera_nvfp4_both_s2_##SUFFIX( \
-        const T* __restrict__ x, const Nvfp4Args a, uint8_t* scratch) {                          \
-        nvfp4_both_impl<T, false, false, BothParts, ScratchTiles>(x, a, ScratchTiles{scratch});  \
+// An entry point of the round-to-nearest both kernel whose tile policy takes a buffer as
+// the kernel's own parameter (ScratchTiles, TwoDTiles), named tessera_nvfp4_both_<NAME><SUFFIX>.
+// First the one with two-step compact scales: each tile's staged bytes into the scratch
+// (2 KiB a tile), then tessera_nvfp4_scales_1d. (The harness's ScratchScales +
+// to_compact took 0.1689-0.1691 ms at 16384x8192 on an H100, against 0.1821-0.1825 for
+// the one-step flush and 0.1713 in clusters; BENCHMARKS.md, session 45.)
+#define NVFP4_BOTH_TILES(SUFFIX, T, NAME, TILES)                                                 \
+    extern "C" __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) tessera_nvfp4_both_##NAME##SUFFIX( \
+        const T* __restrict__ x, const Nvfp4Args a, uint8_t* buf) {                              \
+        nvfp4_both_impl<T, false, false, BothParts, TILES>(x, a, TILES{buf});                    \
     }
-NVFP4_TWO_STEP(bf16, __nv_bfloat16)
-NVFP4_TWO_STEP(f16, __half)
+NVFP4_BOTH_TILES(bf16, __nv_bfloat16, s2_, ScratchTiles)
+NVFP4_BOTH_TILES(f16, __half, s2_, ScratchTiles)
 
 // CTAs per SM of the stochastic-rounding both kernels (80 registers; at 64 they spill).
 #ifndef NVFP4_RS_MINB
@@ -1429,13 +1431,8 @@ NVFP4_RS_ALL(f16, __half)
 // blk is the kernel's own parameter so that Nvfp4Args, and with it the 1-D kernels'
 // PTX, stay as they are: an 8-byte longer Nvfp4Args changed ptxas's schedule of the 1-D
 // both kernel (its barrier 95 instructions earlier) and cost it 2% on an H100.
-#define NVFP4_2D(SUFFIX, T)                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) tessera_nvfp4_both_2d_##SUFFIX( \
-        const T* __restrict__ x, const Nvfp4Args a, uint8_t* blk) {                              \
-        nvfp4_both_impl<T, false, false, BothParts, TwoDTiles>(x, a, TwoDTiles{blk});            \
-    }
-NVFP4_2D(bf16, __nv_bfloat16)
-NVFP4_2D(f16, __half)
+NVFP4_BOTH_TILES(bf16, __nv_bfloat16, 2d_, TwoDTiles)
+NVFP4_BOTH_TILES(f16, __half, 2d_, TwoDTiles)
 
 // ---- dequantize -------------------------------------------------------------------------
 
