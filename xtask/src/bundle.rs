@@ -98,7 +98,8 @@ fail=0
 "#;
 
 /// Builds the GPU benchmark binaries into `dir/bin`, copies the PyTorch anchor script
-/// when `../shared/bench/torch_anchor.py` exists, and writes `dir/run-bench.sh OUTDIR`.
+/// when `../shared/bench/torch_anchor.py` exists and `bench/alternate.sh` (runs the
+/// binaries of several builds in turn), and writes `dir/run-bench.sh OUTDIR`.
 pub(crate) fn benches(root: &Path, dir: &Path) -> Result<()> {
     let mut bins = Vec::new();
     for (package, bench) in GPU_BENCHES {
@@ -125,6 +126,9 @@ pub(crate) fn benches(root: &Path, dir: &Path) -> Result<()> {
         let _ = std::fs::remove_file(&dest);
         std::fs::copy(&anchor, &dest)?;
     }
+    let alternate = dir.join("alternate.sh");
+    let _ = std::fs::remove_file(&alternate);
+    std::fs::copy(root.join("bench/alternate.sh"), &alternate)?;
     let mut script = String::from(
         "#!/usr/bin/env bash\n# Runs every bundled GPU benchmark; JSON goes to $1 (default .).\n\
          cd \"$(dirname \"$0\")\"\nout=${1:-.}\nmkdir -p \"$out\"\nfail=0\n",
