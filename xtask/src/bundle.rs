@@ -121,14 +121,9 @@ pub(crate) fn benches(root: &Path, dir: &Path) -> Result<()> {
     let names = install(&bins, &dir.join("bin"))?;
     let anchor = root.join("../shared/bench/torch_anchor.py");
     if anchor.is_file() {
-        let dest = dir.join("torch_anchor.py");
-        // The shared copy is read-only, and so is a previous bundle's.
-        let _ = std::fs::remove_file(&dest);
-        std::fs::copy(&anchor, &dest)?;
+        copy_over(&anchor, &dir.join("torch_anchor.py"))?;
     }
-    let alternate = dir.join("alternate.sh");
-    let _ = std::fs::remove_file(&alternate);
-    std::fs::copy(root.join("bench/alternate.sh"), &alternate)?;
+    copy_over(&root.join("bench/alternate.sh"), &dir.join("alternate.sh"))?;
     let mut script = String::from(
         "#!/usr/bin/env bash\n# Runs every bundled GPU benchmark; JSON goes to $1 (default .).\n\
          cd \"$(dirname \"$0\")\"\nout=${1:-.}\nmkdir -p \"$out\"\nfail=0\n",
@@ -143,6 +138,14 @@ pub(crate) fn benches(root: &Path, dir: &Path) -> Result<()> {
         names.len(),
         dir.display()
     );
+    Ok(())
+}
+
+/// Copies `src` to `dest`, replacing a previous copy even where it is read-only (as the
+/// shared anchor script is, and so its copy in an earlier bundle).
+fn copy_over(src: &Path, dest: &Path) -> Result<()> {
+    let _ = std::fs::remove_file(dest);
+    std::fs::copy(src, dest)?;
     Ok(())
 }
 
