@@ -7,13 +7,15 @@
 #
 #   bench/alternate.sh SECONDS OUTDIR LABEL=BINARY... [-- ARGS...]
 #
-# ARGS go to every binary (say `--shape 16384x8192 --iters 10`). Then, where cargo is:
+# A LABEL=BINARY may carry the binary's own arguments after it, split at spaces (say
+# 'bands=./gpu --nvfp4-launch bands'), to compare settings of one build. ARGS go to
+# every binary (say `--shape 16384x8192 --iters 10`). Then, where cargo is:
 #   cargo xtask bench-merge --out base.json --label base OUTDIR/base-*.json
 #   cargo xtask bench-merge --out new.json --label new OUTDIR/new-*.json
 #   cargo xtask bench-compare --base base.json --new new.json
 set -u
 if [ $# -lt 3 ]; then
-    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 seconds=$1 out=$2
@@ -35,8 +37,9 @@ if [ ${#bins[@]} -eq 0 ]; then
     exit 2
 fi
 for b in "${bins[@]}"; do
-    if [ ! -x "$b" ]; then
-        echo "alternate.sh: '$b' is not an executable file" >&2
+    read -ra cmd <<<"$b"
+    if [ ! -x "${cmd[0]:-}" ]; then
+        echo "alternate.sh: '${cmd[0]:-}' is not an executable file" >&2
         exit 2
     fi
 done
@@ -45,7 +48,8 @@ start=$SECONDS round=0 failed=0
 while [ $((SECONDS - start)) -lt "$seconds" ]; do
     for i in "${!bins[@]}"; do
         f="$out/${labels[$i]}-$round"
-        if ! "${bins[$i]}" "$@" --json "$f.json" >"$f.txt" 2>&1; then
+        read -ra cmd <<<"${bins[$i]}"
+        if ! "${cmd[@]}" "$@" --json "$f.json" >"$f.txt" 2>&1; then
             echo "alternate.sh: ${labels[$i]} failed in round $round (see $f.txt)" >&2
             failed=$((failed + 1))
         fi
