@@ -225,3 +225,66 @@ fn write_script(path: &Path, body: &str) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::*;
+
+    /// `bench/alternate.sh`, which the bench bundle carries, run with fake benchmarks: a
+    /// run of every label a round, each with its own and the common arguments and its
+    /// JSON path; a failing binary reported in the exit status with the rounds going
+    /// on; malformed labels and missing binaries refused.
+    #[test]
+    fn alternate_runs_every_build_in_turn() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let dir = std::env::temp_dir().join(format!("tessera-alternate-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        // Writes its arguments into the file after --json.
+        let fake = dir.join("fake.sh");
+        write_script(
+            &fake,
+            "#!/usr/bin/env bash\nargs=\"$*\"\nwhile [ $# -gt 1 ]; do shift; done\necho \"$args\" > \"$1\"\n",
+        )
+        .unwrap();
+        let fails = dir.join("fails.sh");
+        write_script(&fails, "#!/usr/bin/env bash\nexit 3\n").unwrap();
+        let run = |args: &[&str]| {
+            Command::new("bash")
+                .arg(root.join("bench/alternate.sh"))
+                .args(args)
+                .current_dir(&dir)
+                .output()
+                .unwrap()
+        };
+        let out = run(&[
+            "1",
+            "out",
+            "a=./fake.sh --x 1",
+            "b=./fake.sh",
+            "--",
+            "--shape",
+            "16x16",
+        ]);
+        assert!(out.status.success(), "{out:?}");
+        let read = |f: &str| std::fs::read_to_string(dir.join("out").join(f)).unwrap();
+        assert_eq!(
+            read("a-0.json"),
+            "--x 1 --shape 16x16 --json out/a-0.json\n"
+        );
+        assert_eq!(read("b-0.json"), "--shape 16x16 --json out/b-0.json\n");
+        let out = run(&["1", "out2", "a=./fake.sh", "b=./fails.sh"]);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("b failed in round 0"), "{err}");
+        assert!(dir.join("out2/a-1.json").is_file(), "{err}");
+        for bad in [
+            &["1", "o", "nolabel"][..],
+            &["1", "o", "a=./missing.sh"],
+            &["1"],
+        ] {
+            assert_eq!(run(bad).status.code(), Some(2), "{bad:?}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
