@@ -1050,33 +1050,69 @@ __device__ __forceinline__ void rht16_exact(float* y) {
     fwht16<2>(y);
 }
 
+// Whether both halves of a word of packed |.| maxima of 2-byte T are below 2^126 (NaN
+// and Inf are not): a block of such values keeps every RHT partial sum finite (each is
+// at most 4 times the block's amax), so its transformed values are finite too.
+template <class T> __device__ __forceinline__ bool tame2(uint32_t w) {
+    return lo_f32<T>(w) < 0x1p126f && hi_f32<T>(w) < 0x1p126f;
+}
+
+// The pair's 8 row block amaxes of a tile's lane (NaN policy as hmax2w): rm[q] rows 2q,
+// 2q + 1 over the lane's columns, then over the pair xor 1.
+template <class T, bool Nan>
+__device__ __forceinline__ void row_block_maxima(const BothTile<T>& d, uint32_t* rm) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        uint32_t mA = habs2w<T>(d.w[2 * q][0]), mB = habs2w<T>(d.w[2 * q + 1][0]);
+#pragma unroll
+        for (int p = 1; p < 4; ++p) {
+            mA = hmax2w<T, Nan>(mA, habs2w<T>(d.w[2 * q][p]));
+            mB = hmax2w<T, Nan>(mB, habs2w<T>(d.w[2 * q + 1][p]));
+        }
+        rm[q] = hmax2_rows<T, Nan>(mA, mB);
+        rm[q] = hmax2w<T, Nan>(rm[q], __shfl_xor_sync(0xFFFFFFFFu, rm[q], 1));
+    }
+}
+
 // Quantizes the 128x128 tile at (R0, C0) of 2-byte inputs with the RHT on the columnwise
 // operand (Rht) and/or stochastic rounding (Sr), the lane's values in d (zeros when
 // !valid), with the tables filled; synchronises the CTA twice (before its first write to
 // sh.stage, and before the flush).
+//
+// Round to nearest (Rht without Sr) has both_tile's fast path: a block whose amax b is at
+// most its table entry's lim (block_table_entry) has every |y g| < 7, so its values take
+// e2m1x8_magnitudes (no saturation, codes packed by byte permutes) instead of
+// e2m1x8_rn. It needs a tame warp (tame2: every input of the warp's 32x64 values finite
+// and below 2^126, from NaN-propagating maxima), where the NaN-propagating row amaxes are
+// the NaN-ignoring ones the scale bytes come from and no RHT value is NaN or infinite;
+// otherwise the warp recomputes its row amaxes NaN-ignoring and takes e2m1x8_rn
+// throughout. The rows take the fast path when every row block of the warp may (one
+// branch for the warp), each column block when it may.
 template <class T, bool Rht, bool Sr>
 __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLane& l, u64 R0, u64 C0, bool valid,
                                              const Nvfp4Args& a, BothShared& sh) {
+    constexpr bool Fast = Rht && !Sr;
     const int cg = l.cg, g = l.g, rt = l.rt, ct = l.ct;
     const u64 r0 = R0 + rt, col = C0 + ct;
     auto& stage = sh.stage;
     __syncthreads();
+    bool tame = false;  // Fast: the warp's inputs are tame (set with the row amaxes)
     if (a.q_row != nullptr) {
-        // The pair's 8 NaN-ignoring row block amaxes, rm[q] rows 2q, 2q + 1; lane half h
-        // computes the scales of rows 4h .. 4h + 3 and trades encode scales.
-        uint32_t rm[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            uint32_t mA = habs2w<T>(d.w[2 * q][0]), mB = habs2w<T>(d.w[2 * q + 1][0]);
-#pragma unroll
-            for (int p = 1; p < 4; ++p) {
-                mA = hmax2w<T>(mA, habs2w<T>(d.w[2 * q][p]));
-                mB = hmax2w<T>(mB, habs2w<T>(d.w[2 * q + 1][p]));
-            }
-            rm[q] = hmax2_rows<T>(mA, mB);
-            rm[q] = hmax2w<T>(rm[q], __shfl_xor_sync(0xFFFFFFFFu, rm[q], 1));
-        }
+        // The pair's 8 row block amaxes, rm[q] rows 2q, 2q + 1 (NaN-ignoring); lane half
+        // h computes the scales of rows 4h .. 4h + 3 and trades encode scales.
         const int h = cg & 1;
+        uint32_t rm[4];
+        if constexpr (Fast) {
+            row_block_maxima<T, true>(d, rm);
+            bool t = true;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) t = t && tame2<T>(rm[q]);
+            tame = __all_sync(0xFFFFFFFFu, t);
+            if (!tame) row_block_maxima<T, false>(d, rm);
+        } else {
+            row_block_maxima<T, false>(d, rm);
+        }
+        bool fast = tame;
         const float s_enc = sh.se[0];
         float g4[4], rgs[8];
 #pragma unroll
@@ -1084,7 +1120,9 @@ __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLan
             const uint32_t w = h ? rm[2 + j / 2] : rm[j / 2];
             const float b = fmaxf(0.0f, j % 2 ? hi_f32<T>(w) : lo_f32<T>(w));
             const uint8_t e = block_scale(b, s_enc);
-            g4[j] = sh.tab[0][e].x;
+            const float2 t = sh.tab[0][e];
+            if constexpr (Fast) fast = fast && b <= t.y;
+            g4[j] = t.x;
             stage.row[rt + 4 * h + j][ct / 16] = e;
         }
 #pragma unroll
@@ -1108,22 +1146,42 @@ __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLan
                 rw[4 + j] = h ? own : got;
             }
         }
+        if constexpr (Fast) fast = __all_sync(0xFFFFFFFFu, fast);
         if (valid) {
             uint8_t* q = a.q_row + r0 * (a.k / 2) + col / 2;
+            if (Fast && fast) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                float y[8];
-                row_values<T>(d.w[i], y);
+                for (int i = 0; i < 8; ++i) {
+                    float v[8];
+                    row_values<T>(d.w[i], v);
+                    *reinterpret_cast<uint32_t*>(q + i * (a.k / 2)) =
+                        e2m1x8_magnitudes(v, rgs[i]) | row_signs(d.w[i]);
+                }
+            } else {
 #pragma unroll
-                for (int j = 0; j < 8; ++j) y[j] = __fmul_rn(y[j], rgs[i]);
-                uint32_t code;
-                if constexpr (Sr) code = e2m1x8_sr(y, rw[i]);
-                else code = e2m1x8_rn(y);
-                *reinterpret_cast<uint32_t*>(q + i * (a.k / 2)) = code;
+                for (int i = 0; i < 8; ++i) {
+                    float y[8];
+                    row_values<T>(d.w[i], y);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) y[j] = __fmul_rn(y[j], rgs[i]);
+                    uint32_t code;
+                    if constexpr (Sr) code = e2m1x8_sr(y, rw[i]);
+                    else code = e2m1x8_rn(y);
+                    *reinterpret_cast<uint32_t*>(q + i * (a.k / 2)) = code;
+                }
             }
         }
     }
     if (a.q_col != nullptr) {
+        if (Fast && a.q_row == nullptr) {
+            // Columnwise only: the warp's tameness from its lanes' own maxima.
+            uint32_t m = habs2w<T>(d.w[0][0]);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int p = 0; p < 4; ++p) m = hmax2w<T, true>(m, habs2w<T>(d.w[i][p]));
+            tame = __all_sync(0xFFFFFFFFu, tame2<T>(m));
+        }
         // Lane half h keeps words 2h, 2h + 1 (columns 4h .. 4h + 3) of its 8 rows and gets
         // the partner's 8 rows of them: top[i] rows 0-7 of the pair, bot[i] rows 8-15.
         const int h = g & 1;
@@ -1152,11 +1210,18 @@ __device__ __forceinline__ void both_tile_rs(const BothTile<T>& d, const BothLan
 #pragma unroll
             for (int i = 0; i < 16; ++i) b = fmaxf(b, fabsf(y[i]));
             const uint8_t e = block_scale(b, s_enc);
-            const float gs = sh.tab[1][e].x;
+            const float2 t = sh.tab[1][e];
+            const float gs = t.x;
             stage.col[ct + 4 * h + c][rt / 16] = e;
+            uint2 out;
+            if (Fast && tame && b <= t.y) {
+                out = make_uint2(e2m1x8_magnitudes(y, gs) | float_signs(y),
+                                 e2m1x8_magnitudes(y + 8, gs) | float_signs(y + 8));
+                if (valid) *reinterpret_cast<uint2*>(a.q_col + (c4 + c) * (a.m / 2) + R16 / 2) = out;
+                continue;
+            }
 #pragma unroll
             for (int i = 0; i < 16; ++i) y[i] = __fmul_rn(y[i], gs);
-            uint2 out;
             if constexpr (Sr) {
                 const uint4 r = random16(a.seed, a.off_col, (c4 + c) * a.m + R16);
                 out = make_uint2(e2m1x8_sr(y, make_uint2(r.x, r.y)),
@@ -1408,11 +1473,15 @@ NVFP4_BOTH_TILES(f16, __half, s2_, ScratchTiles)
 #ifndef NVFP4_RS_MINB
 #define NVFP4_RS_MINB 3
 #endif
-// CTAs per SM of the RHT-only both kernel: it fits 64 registers without spilling, and on
-// an H200 4 CTAs per SM took 0.1713 ms against 0.1732 with 3 at 16384x8192 and 0.0262
-// against 0.0268-0.0270 at 4096x4096 (nvfp4-variants-h200-2026-12-04-pf.txt).
+// CTAs per SM of the RHT-only both kernel: 3 (80 registers), where its fast path fits
+// without spilling (at 64 it spilled 32 bytes and took 9.2% longer at 16384x8192 on an
+// H100, BENCHMARKS session 47). So built, the fast path took 0.9% / 1.5% / 0.2% off the
+// RHT quantizer's time at 16384x8192 / 8192x8192 / 4096x4096 on an H100 (session 49).
+// Without the fast path, 4 CTAs per SM had taken 0.1713 ms against 0.1732 with 3 at
+// 16384x8192 on an H200 and 0.0262 against 0.0268-0.0270 at 4096x4096
+// (nvfp4-variants-h200-2026-12-04-pf.txt).
 #ifndef NVFP4_RHT_MINB
-#define NVFP4_RHT_MINB 4
+#define NVFP4_RHT_MINB 3
 #endif
 #define NVFP4_RS(SUFFIX, T, NAME, RHT, SR, MINB)                                                \
     extern "C" __global__ void __launch_bounds__(256, MINB) tessera_nvfp4_both_##NAME##_##SUFFIX( \
