@@ -5,9 +5,10 @@
 // order the stores differently (same bytes: their hashes must equal the shipped 2-D
 // kernel's), drop the scale flush, or drop one orientation's data; the library's two
 // steps for compact scales (block grid, then tessera_nvfp4_scales_2d) must hash as its
-// one step does; the 1-D kernels run alongside for reference. bf16 normal inputs (the
-// fast path everywhere). N2_CROSSOVER=1 adds 8192x8192, 8192x4096 and 4096x8192 (where
-// two steps start to win).
+// one step does, as must the 2-D tile kernel built for 5 CTAs per SM; the 1-D kernels
+// run alongside for reference, in one step and in the library's two steps (what an
+// H100 takes from 2^26 values). bf16 normal inputs (the fast path everywhere).
+// N2_CROSSOVER=1 adds 8192x8192, 8192x4096 and 4096x8192 (where two steps start to win).
 // Build on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v -I crates/quant/kernels \
 //        bench/cuda/nvfp4_2d.cu -o n2 && ./n2
@@ -75,6 +76,15 @@ __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) one_step_2d(const __nv_b
     nvfp4_both_impl<__nv_bfloat16, false, false, BothParts, TwoDTiles>(x, a, TwoDTiles{nullptr});
 }
 
+// The library's 2-D kernel (two-step scales into blk) built for 5 CTAs per SM instead of
+// NVFP4_BOTH_MINB's 4: 48 registers, and ptxas spills 44 bytes (14 local accesses
+// before the warp vote, 4 after it, sm_90, CUDA 13.0). The 2-D kernel's warps mostly wait
+// (BENCHMARKS, session 35); a fifth CTA gives each SM 40 warps to wait with instead of 32.
+__global__ void __launch_bounds__(256, 5) two_d_5_ctas(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a,
+                                                       uint8_t* blk) {
+    nvfp4_both_impl<__nv_bfloat16, false, false, BothParts, TwoDTiles>(x, a, TwoDTiles{blk});
+}
+
 // The library's both kernel with tile2d<Order> in place of both_tile_2d.
 template <int Order> struct OrderTiles {
     static constexpr bool own_tile = true;
@@ -110,16 +120,17 @@ static void run_shape(u64 M, u64 K) {
         const dim3 g2((unsigned)((words + 255) / 256), 2, 16 / copies);
         tessera_nvfp4_scales_2d<<<g2, 256>>>(blk, M, K, b.sr, b.sr_cols, b.sc, b.sc_cols, copies);
     };
-    auto run_two_step = [&] {
+    auto run_two_step = [&](auto tile_kernel, const char* what, bool sweep) {
         const Nvfp4Args a = b.args(b.amax, true);
         b.clear();
         const float t = time_ms([&] {
-            tessera_nvfp4_both_2d_bf16<<<grid, 256>>>(b.x, a, blk);
+            tile_kernel<<<grid, 256>>>(b.x, a, blk);
             scales(lib_copies);
         });
-        char label[96];
-        snprintf(label, sizeof label, "2-D two steps (tile kernel + scales kernel, %d copies)", lib_copies);
+        char label[128];
+        snprintf(label, sizeof label, "2-D two steps (%s + scales kernel, %d copies)", what, lib_copies);
         report_hashes(label, t, bytes, b.copy_gbs, b.outputs());
+        if (!sweep) return;
         for (int copies = 16; copies >= 1; copies /= 2) {
             b.clear();
             const float t2 = time_ms([&] { scales(copies); });
@@ -127,8 +138,27 @@ static void run_shape(u64 M, u64 K) {
             report_hashes(label, t2, 2.0 * (n / 16) + n / 256, b.copy_gbs, {{b.sr, n / 16}, {b.sc, n / 16}});
         }
     };
+    // The 1-D kernel's two steps as the library launches them (Nvfp4Launch::TwoStep, what
+    // Auto takes on an H100 from 2^26 values): each tile's staged scale bytes into 2 KiB
+    // of scratch, then tessera_nvfp4_scales_1d a thread per 32 bytes of it. Its hashes
+    // must equal "1-D both shipped" (one step).
+    uint8_t* scratch;
+    CK(cudaMalloc(&scratch, (M + 127) / 128 * ((K + 127) / 128) * 2048));
+    const u64 quads = std::max(M / 4 * ((K + 127) / 128), K / 4 * ((M + 127) / 128));
+    auto run_one_d_two_step = [&] {
+        const Nvfp4Args a = b.args(b.amax, true);
+        b.clear();
+        const float t = time_ms([&] {
+            tessera_nvfp4_both_s2_bf16<<<grid, 256>>>(b.x, a, scratch);
+            tessera_nvfp4_scales_1d<<<dim3((unsigned)((quads + 255) / 256), 2), 256>>>(scratch, M, K, b.sr, b.sr_cols,
+                                                                                     b.sc, b.sc_cols);
+        });
+        report_hashes("1-D two steps (tile kernel + scales kernel)", t, bytes, b.copy_gbs, b.outputs());
+    };
     for (int pass = 0; pass < 2; ++pass) {
-        run_two_step();
+        run_two_step(tessera_nvfp4_both_2d_bf16, "tile kernel", true);
+        run_two_step(two_d_5_ctas, "tile kernel at 5 CTAs per SM", false);
+        run_one_d_two_step();
         run(one_step_2d, "2-D one step");
         run(var2d<0>, "2-D harness copy, shipped order");
         run(var2d<1>, "2-D rows stored as encoded");
@@ -140,6 +170,7 @@ static void run_shape(u64 M, u64 K) {
         run(tessera_nvfp4_both_bf16, "1-D rowwise only (both kernel)", false);
     }
     CK(cudaFree(blk));
+    CK(cudaFree(scratch));
 }
 
 int main() {
