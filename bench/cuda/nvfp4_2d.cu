@@ -4,7 +4,7 @@
 // tile's loads and its stores, all 16 stores of a lane leave in one burst. The variants
 // order the stores differently (same bytes: their hashes must equal the shipped 2-D
 // kernel's), drop the scale flush, or drop one orientation's data; the library's two
-// steps for compact scales (block grid, then tessera_nvfp4_scales_2d) must hash as its
+// steps for compact scales (block scratch, then tessera_nvfp4_scales_2d) must hash as its
 // one step does, as must the 2-D tile kernel built for 5 CTAs per SM; the 1-D kernels
 // run alongside for reference, in one step and in the library's two steps (what an
 // H100 takes from 2^26 values). bf16 normal inputs (the fast path everywhere).
@@ -111,7 +111,7 @@ static void run_shape(u64 M, u64 K) {
         report_hashes(label, t, bytes, b.copy_gbs, b.outputs());
     };
     uint8_t* blk;
-    CK(cudaMalloc(&blk, n / 128 + M + K));  // BlockGrids, padding included
+    CK(cudaMalloc(&blk, n / 128 + M + K));  // BlockScratch: 128 bytes a tile, and more
     // The scales kernel with `copies` of a grid row's 16 a thread; the library's choice:
     // all 16.
     const u64 words = std::max(M / 16 * ((K / 16 + 3) / 4 * 4), K / 16 * ((M / 16 + 3) / 4 * 4)) / 4;

@@ -797,20 +797,32 @@ __device__ __forceinline__ void store_cols_2d(const Nvfp4Args& a, u64 r0, u64 co
     for (int j = 0; j < 8; ++j) *reinterpret_cast<uint32_t*>(q + j * (a.m / 2)) = c[j];
 }
 
-// The block grids of 2-D blocks' two-step compact scales, one byte a 16x16 block: the
-// [m/16, k/16] grid in rows of pr bytes, then its transpose, [k/16, m/16] in rows of pc
-// bytes; pr and pc are the compact scale grids' row lengths (the block counts rounded up
-// to 4), so a word of 4 blocks is aligned in both. Padding columns are never written.
-struct BlockGrids {
-    u64 bm, bk, pr, pc;
-    __device__ BlockGrids(u64 m, u64 k) : bm(m / 16), bk(k / 16), pr((k / 16 + 3) / 4 * 4), pc((m / 16 + 3) / 4 * 4) {}
-    __device__ u64 col_offset() const { return bm * pr; }
+// The scratch of 2-D blocks' two-step compact scales: 128 bytes a 128x128 tile, tiles
+// in row-major order (tile (i, j) the i * ceil(k / 128) + j-th), each the tile's 8x8
+// block scales row by row (byte 8 r + c: block row r, block column c) and then column
+// by column (byte 64 + 8 c + r), so that the tile kernel writes whole sectors and a word
+// of 4 neighbouring blocks of either grid row is one aligned load. Blocks past the
+// tensor's edge hold bytes nobody reads. (A block grid and its transpose in the compact
+// grids' own layout, one byte a block stored in place, made each CTA write 8 bytes of
+// 8 rows of each, partial sectors shared with 3 other CTAs: NVFP4 2-D both took 1.6% /
+// 0.7% / 0.9% longer at 16384x8192 / 8192x8192 / 8192x4096 on an H100, BENCHMARKS
+// session 50.) bm, bk: the block grid's extent; pr, pc: the compact scale grids' row
+// lengths, the block counts rounded up to 4.
+struct BlockScratch {
+    u64 bm, bk, pr, pc, tk;
+    __device__ BlockScratch(u64 m, u64 k)
+        : bm(m / 16), bk(k / 16), pr((k / 16 + 3) / 4 * 4), pc((m / 16 + 3) / 4 * 4), tk((k + 127) / 128) {}
+    // The word of blocks 4 w .. 4 w + 3 of block row i (cols: of block column i).
+    __device__ u64 word_offset(bool cols, u64 i, u64 w) const {
+        const u64 tile = cols ? (w / 2) * tk + i / 8 : (i / 8) * tk + w / 2;
+        return tile * 128 + (cols ? 64 : 0) + (i % 8) * 8 + 4 * (w % 2);
+    }
 };
 
 // Quantizes the 128x128 tile at (R0, C0) of 2-byte inputs in 16x16 blocks, the lane's
 // values in d (zeros when !valid), with the tables filled; synchronises the CTA before it
 // reads the tables, and before the flush of the staged scale bytes unless blk (the
-// BlockGrids, or null) takes them (two steps, see tessera_nvfp4_scales_2d).
+// BlockScratch, or null) takes them (two steps, see tessera_nvfp4_scales_2d).
 // A warp whose blocks all pass `b <= lim[e]` (both_tile's fast path) encodes without
 // saturation or NaN handling and takes the signs from the raw bits; any other warp as
 // nvfp4_impl does (NaN-ignoring block amax, saturating encoder). Both give the same bytes.
@@ -844,15 +856,16 @@ __device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLan
             w[i] = e2m1x8(v, ge);
         }
     }
-    // Two steps: one lane of the block's 4 stores its byte into the block grid and its
-    // transpose, from which tessera_nvfp4_scales_2d writes the scale grids after this
-    // kernel.
+    // Two steps: one lane of the block's 4 stores its byte twice into the tile's 128
+    // bytes of scratch (BlockScratch; blocks past the edge too, never read), from which
+    // tessera_nvfp4_scales_2d writes the scale grids after this kernel.
     if (blk == nullptr) {
         stage_block_2d(sh.stage, l, (uint8_t)e);
-    } else if (valid && (l.cg & 1) == 0 && (l.g & 1) == 0) {
-        const BlockGrids g(a.m, a.k);
-        if (a.s_row != nullptr) blk[(r0 / 16) * g.pr + col / 16] = (uint8_t)e;
-        if (a.s_col != nullptr) blk[g.col_offset() + (col / 16) * g.pc + r0 / 16] = (uint8_t)e;
+    } else if ((l.cg & 1) == 0 && (l.g & 1) == 0) {
+        uint8_t* s = blk + ((R0 / 128) * ((a.k + 127) / 128) + C0 / 128) * 128;
+        const int br = l.rt / 16, bc = l.ct / 16;
+        s[8 * br + bc] = (uint8_t)e;
+        s[64 + 8 * bc + br] = (uint8_t)e;
     }
     if (valid) {
         if (a.q_row != nullptr) store_rows_2d(a, r0, col, w);
@@ -869,8 +882,8 @@ __device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLan
 
 // The both kernel's tile policy: 1-D blocks (both_tile or both_tile_rs), 1-D blocks with
 // two-step compact scales (both_tile and a scratch), or 2-D ones (both_tile_2d, with the
-// block grid of two-step compact scales or null; the harness bench/cuda/nvfp4_2d.cu puts
-// its variants in its place). own_tile: the policy quantizes the tile itself.
+// block scratch of two-step compact scales or null; the harness bench/cuda/nvfp4_2d.cu
+// puts its variants in its place). own_tile: the policy quantizes the tile itself.
 struct OneDTiles {
     static constexpr bool own_tile = false;
 };
@@ -893,7 +906,7 @@ struct TwoDTiles {
     }
 };
 
-// The second step of 2-D blocks' compact scales: the grids from the BlockGrids at blk.
+// The second step of 2-D blocks' compact scales: the grids from the BlockScratch at blk.
 // Grid row 16 i + v of the rowwise grid is row i of the block grid, of the columnwise
 // grid row i of its transpose (v = 0 .. 15). A thread loads one word (4 blocks) of a
 // block-grid row, clears the bytes past the row's end (the grids' padding is 0), and
@@ -908,11 +921,10 @@ struct TwoDTiles {
 __device__ void nvfp4_scales_2d_impl(const uint8_t* __restrict__ blk, u64 m, u64 k, uint8_t* __restrict__ s_row,
                                      u64 s_row_cols, uint8_t* __restrict__ s_col, u64 s_col_cols, int copies) {
     pdl_first();
-    const BlockGrids g(m, k);
+    const BlockScratch g(m, k);
     const bool cols = blockIdx.y == 1;
     uint8_t* dst = cols ? s_col : s_row;
     if (dst == nullptr) return;
-    const uint8_t* src = cols ? blk + g.col_offset() : blk;
     const u64 rows = cols ? g.bk : g.bm, n = cols ? g.bm : g.bk, pitch = cols ? g.pc : g.pr;
     // A block-grid row's words; the scale grid's row stride in words (at least as many:
     // its columns past the block grid's are padding, cleared before).
@@ -920,7 +932,7 @@ __device__ void nvfp4_scales_2d_impl(const uint8_t* __restrict__ blk, u64 m, u64
     const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= rows * words) return;
     const u64 i = t / words, w = t % words;
-    uint32_t word = *reinterpret_cast<const uint32_t*>(src + i * pitch + 4 * w);
+    uint32_t word = *reinterpret_cast<const uint32_t*>(blk + g.word_offset(cols, i, w));
     if (n - 4 * w < 4) word &= (1u << (8 * (n - 4 * w))) - 1u;  // past the row's end
     uint32_t* d = reinterpret_cast<uint32_t*>(dst) + (16 * i + (u64)blockIdx.z * copies) * stride + w;
 #pragma unroll 4
@@ -1496,7 +1508,7 @@ NVFP4_RS_ALL(bf16, __nv_bfloat16)
 NVFP4_RS_ALL(f16, __half)
 
 // 2-D blocks of 2-byte inputs, round to nearest without the RHT (both_tile_2d; either
-// orientation may be null; blk the block grid of two-step compact scales, or null).
+// orientation may be null; blk the block scratch of two-step compact scales, or null).
 // blk is the kernel's own parameter so that Nvfp4Args, and with it the 1-D kernels'
 // PTX, stay as they are: an 8-byte longer Nvfp4Args changed ptxas's schedule of the 1-D
 // both kernel (its barrier 95 instructions earlier) and cost it 2% on an H100.

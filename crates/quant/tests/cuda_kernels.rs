@@ -1295,6 +1295,38 @@ fn nvfp4_two_step_scales_match_the_cpu() {
     check_nvfp4_launch(tessera_quant::cuda::Nvfp4Launch::TwoStep, 2900, &cases);
 }
 
+/// 2-D blocks' compact scales in two steps (the tile kernel's block scales into 128 bytes
+/// of scratch a tile, then `tessera_nvfp4_scales_2d`), which the quantizer takes from
+/// 2^25 values with columnwise data: ragged shapes both ways whose block-grid rows end
+/// one block into a word (513 and 129 blocks), so the second step masks a word's bytes
+/// past the row's end, in both 2-byte types, tame inputs (the fast path) and odd ones
+/// (NaN, infinities, zero blocks: the general encoder), both orientations and
+/// columnwise alone.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
+fn nvfp4_2d_two_step_scales_match_the_cpu() {
+    require_gpu();
+    let cases = [
+        ([4112, 8208], DType::BF16, true, Usage::Both),
+        ([4112, 8208], DType::F16, false, Usage::Both),
+        ([2064, 16400], DType::BF16, false, Usage::Columnwise),
+        ([2064, 16400], DType::F16, true, Usage::Both),
+    ];
+    for (i, (shape, dtype, odd, usage)) in cases.into_iter().enumerate() {
+        assert!(
+            shape[0] * shape[1] >= 1 << 25,
+            "{shape:?} is under the two-step bound"
+        );
+        let x = tame_input(&shape, dtype, 3100 + i as u64, odd);
+        let mut q = Nvfp4Quantizer::new().with_2d(true).with_usage(usage);
+        check_quantizer(
+            &mut q,
+            &x,
+            &format!("nvfp4 2d two-step {shape:?} {dtype} odd={odd} {usage:?}"),
+        );
+    }
+}
+
 /// Checks the 1-D round-to-nearest quantizer against the CPU on each case (shape, dtype,
 /// odd input, usage; seeds from `seed` + 1 up) with the process's NVFP4 launch set to
 /// `launch` (asserted); puts [`Nvfp4Launch::Auto`](tessera_quant::cuda::Nvfp4Launch)

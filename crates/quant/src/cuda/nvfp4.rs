@@ -205,18 +205,20 @@ impl Amaxes {
     }
 }
 
-/// The fewest values of a 2-D NVFP4 tensor whose compact scale grids take two steps
-/// (block grid, then `tessera_nvfp4_scales_2d`). In one step the tile kernel stores 8
-/// bytes of 128 rows of each grid, partial lines, which cost the kernel a fifth of its
-/// time on an H100 even while its outputs fit in L2 (8192x4096, 38 MB: 0.0578 ms against
-/// 0.0452 without the scale bytes) and a quarter beyond it (16384x8192 on an H200: 0.048
-/// of 0.174 ms). The second kernel writes whole lines (0.0069 ms at 16384x8192, 0.87 of a
-/// copy, on an H100); two steps won 12-15% on an H100 at 2^25 values (8192x4096 0.0509
-/// against 0.0579 ms, 4096x8192 0.0487 against 0.0568), 17-19% above, and lost 0.8-1%
-/// at 4096x4096 (2^24), where the second launch costs about what the flush does. The
-/// H200 agrees: two steps 12-20% faster from 2^25 values up (8192x4096 0.0376 against
-/// 0.0426 ms, 4096x8192 0.0364 against 0.0421, 16384x8192 0.1380 against 0.1734), 8%
-/// slower at 4096x4096 (0.0214 against 0.0198) (BENCHMARKS, sessions 36, 37 and 40).
+/// The fewest values of a 2-D NVFP4 tensor whose compact scale grids take two steps (block
+/// scales into a scratch, then `tessera_nvfp4_scales_2d`). In one step the tile kernel
+/// stores 8 bytes of 128 rows of each grid, partial lines, which cost the kernel a fifth of
+/// its time on an H100 even while its outputs fit in L2 (8192x4096, 38 MB: 0.0578 ms
+/// against 0.0452 without the scale bytes) and a quarter beyond it (16384x8192 on an H200:
+/// 0.048 of 0.174 ms). The second kernel writes whole lines (0.0069 ms at 16384x8192, 0.87
+/// of a copy, on an H100); two steps won 12-15% on an H100 at 2^25 values (8192x4096 0.0509
+/// against 0.0579 ms, 4096x8192 0.0487 against 0.0568), 17-19% above, and lost 0.8-1% at
+/// 4096x4096 (2^24), where the second launch costs about what the flush does. The H200
+/// agrees: two steps 12-20% faster from 2^25 values up (8192x4096 0.0376 against 0.0426 ms,
+/// 4096x8192 0.0364 against 0.0421, 16384x8192 0.1380 against 0.1734), 8% slower at
+/// 4096x4096 (0.0214 against 0.0198) (BENCHMARKS, sessions 36, 37 and 40). The first step's
+/// scales went through the block grid and its transpose then; through 128 bytes a tile of
+/// scratch since, 0.7-1.6% faster on an H100 (session 50).
 const TWO_STEP_2D_MIN_VALUES: usize = 1 << 25;
 
 /// How [`Nvfp4Quantizer`](crate::Nvfp4Quantizer) launches its round-to-nearest 1-D
@@ -450,17 +452,14 @@ pub(crate) fn quantize_into(
     };
     let tiles_2d = tile_kernel == Some("2d_");
     // 2-D blocks' compact scale grids in two steps when the columnwise grid is written
-    // and the tensor is large (TWO_STEP_2D_MIN_VALUES; kernels/nvfp4.cu, BlockGrids and
-    // tessera_nvfp4_scales_2d): the tile kernel stores one byte a block into the block
-    // grid and its transpose (rows padded to 4 bytes), a second kernel the grids' whole
-    // lines.
+    // and the tensor is large (TWO_STEP_2D_MIN_VALUES; kernels/nvfp4.cu, BlockScratch and
+    // tessera_nvfp4_scales_2d): the tile kernel stores its 64 block scales twice (row by
+    // row, column by column) into 128 bytes of scratch a 128x128 tile, a second kernel
+    // the grids' whole lines.
     let two_step = m * k >= TWO_STEP_2D_MIN_VALUES;
-    // The bytes of the block grid and of its transpose (kernels/nvfp4.cu, BlockGrids).
-    let (bm, bk) = (m / 16, k / 16);
-    let grid_bytes = [bm * bk.next_multiple_of(4), bk * bm.next_multiple_of(4)];
     let blk = match tiles_2d && usage.columnwise() && !swizzled && two_step {
         true => {
-            let bytes = grid_bytes[0] + grid_bytes[1];
+            let bytes = m.div_ceil(128) * k.div_ceil(128) * 128;
             Some(Tensor::empty([bytes], DType::U8, x.device())?)
         }
         false => None,
@@ -605,9 +604,9 @@ pub(crate) fn quantize_into(
         // usages. The row kernel takes (const T* x, u64 m, u64 k, const float* amax, u8* q,
         // u8* s, u64 s_cols, int swizzled, u64 col_tiles), its grid covering (m / 16) x
         // col_tiles tiles exactly; the others (const T* x, Nvfp4Args a), the 2-D one
-        // also (u8* blk), the block grids allocated above or null, the two-step one also
-        // (u8* scratch), 2048 bytes a 128x128 tile allocated above, their tiles (128x128
-        // banded or 64x64) covering [m, k]. Every one reads nothing the amax pass
+        // also (u8* blk), the 2-D block scratch allocated above or null, the two-step one
+        // also (u8* scratch), 2048 bytes a 128x128 tile allocated above, their tiles
+        // (128x128 banded or 64x64) covering [m, k]. Every one reads nothing the amax pass
         // writes before pdl_wait(), and the amax pass ran last when there is no reduction.
         unsafe { launch_params(&dev, &f, cfg, OP, order, &mut params) }?;
         if blk.is_some() {
@@ -616,7 +615,9 @@ pub(crate) fn quantize_into(
             // it: on an H100 16 copies a thread were the best of 1-16 or within 2% of it
             // at every shape from 4096x4096 to 16384x8192 (0.0030 against 0.0038 ms for 2
             // at 4096x4096, 0.0066 against 0.0224 for 1 at 16384x8192).
-            let words = grid_bytes[0].max(grid_bytes[1]) / 4;
+            // The words (4 blocks) of the block grid and of its transpose, rows padded.
+            let (bm, bk) = (m / 16, k / 16);
+            let words = (bm * bk.div_ceil(4)).max(bk * bm.div_ceil(4));
             let copies = 16i32;
             let ctas = words.div_ceil(256);
             if ctas > i32::MAX as usize {
@@ -639,12 +640,12 @@ pub(crate) fn quantize_into(
             p.arg(&args.s_row).arg(&args.s_row_cols);
             p.arg(&args.s_col).arg(&args.s_col_cols).arg(&copies);
             // SAFETY: (const u8* blk, u64 m, u64 k, u8* s_row, u64 s_row_cols, u8* s_col,
-            // u64 s_col_cols, int copies): blk the block grids the kernel before filled
-            // (bm x bk padded to 4, then bk x bm padded to 4, as allocated above), the
-            // compact scale grids as above (rows of s_*_cols bytes, multiples of 4; s_row
-            // null without rowwise data), copies = 16 with one grid slice in z (which
-            // stores every copy), a thread for each word of the larger block grid; the
-            // kernel calls pdl_first() before any memory access.
+            // u64 s_col_cols, int copies): blk the block scratch the kernel before filled
+            // (128 bytes for every tile, ceil(m / 128) x ceil(k / 128), as allocated
+            // above), the compact scale grids as above (rows of s_*_cols bytes, multiples
+            // of 4; s_row null without rowwise data), copies = 16 with one grid slice in z
+            // (which stores every copy), a thread for each word of the larger block grid;
+            // the kernel calls pdl_first() before any memory access.
             unsafe { launch_params(&dev, &g, cfg, OP, Order::WaitFirst, &mut p) }?;
         }
         if scratch.is_some() {
@@ -675,8 +676,8 @@ pub(crate) fn quantize_into(
         }
         Ok(())
     });
-    // The block grid and the scratch are freed in stream order, after the kernels that
-    // use them.
+    // The 2-D block scratch and the 1-D scratch are freed in stream order, after the
+    // kernels that use them.
     drop(blk);
     drop(scratch);
     amaxes.put_back(out);
