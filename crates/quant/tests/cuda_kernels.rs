@@ -1299,9 +1299,9 @@ fn nvfp4_two_step_scales_match_the_cpu() {
 /// of scratch a tile, then `tessera_nvfp4_scales_2d`), which the quantizer takes from
 /// 2^25 values with columnwise data: ragged shapes both ways whose block-grid rows end
 /// one block into a word (513 and 129 blocks), so the second step masks a word's bytes
-/// past the row's end, in both 2-byte types, tame inputs (the fast path) and odd ones
-/// (NaN, infinities, zero blocks: the general encoder), both orientations and
-/// columnwise alone.
+/// past the row's end, in both 2-byte types, tame inputs (the fast path) and odd ones (a
+/// NaN, an infinity and a tiny run: three warps on the general path; `tame_input`), both
+/// orientations and columnwise alone.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn nvfp4_2d_two_step_scales_match_the_cpu() {
