@@ -812,10 +812,16 @@ struct BlockScratch {
     u64 bm, bk, pr, pc, tk;
     __device__ BlockScratch(u64 m, u64 k)
         : bm(m / 16), bk(k / 16), pr((k / 16 + 3) / 4 * 4), pc((m / 16 + 3) / 4 * 4), tk((k + 127) / 128) {}
+    // Where a tile's byte sits in its 128 bytes: of block row `line` and block column
+    // `at` in the row-by-row copy, or (cols) of block column `line` and block row `at` in
+    // the column-by-column one (line, at < 8).
+    template <class I> static __device__ __forceinline__ I in_tile(bool cols, I line, I at) {
+        return (cols ? 64 : 0) + line * 8 + at;
+    }
     // The word of blocks 4 w .. 4 w + 3 of block row i (cols: of block column i).
     __device__ u64 word_offset(bool cols, u64 i, u64 w) const {
         const u64 tile = cols ? (w / 2) * tk + i / 8 : (i / 8) * tk + w / 2;
-        return tile * 128 + (cols ? 64 : 0) + (i % 8) * 8 + 4 * (w % 2);
+        return tile * 128 + in_tile(cols, i % 8, 4 * (w % 2));
     }
 };
 
@@ -864,8 +870,8 @@ __device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLan
     } else if ((l.cg & 1) == 0 && (l.g & 1) == 0) {
         uint8_t* s = blk + ((R0 / 128) * ((a.k + 127) / 128) + C0 / 128) * 128;
         const int br = l.rt / 16, bc = l.ct / 16;
-        s[8 * br + bc] = (uint8_t)e;
-        s[64 + 8 * bc + br] = (uint8_t)e;
+        s[BlockScratch::in_tile(false, br, bc)] = (uint8_t)e;
+        s[BlockScratch::in_tile(true, bc, br)] = (uint8_t)e;
     }
     if (valid) {
         if (a.q_row != nullptr) store_rows_2d(a, r0, col, w);
