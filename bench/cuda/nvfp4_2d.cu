@@ -70,17 +70,19 @@ __device__ __forceinline__ void tile2d(const BothTile<__nv_bfloat16>& d, const B
     if (Order != 4) flush_both_scales(sh.stage, a, R0, C0);
 }
 
-// The library's 2-D kernel with one-step scales (its blk null).
-__global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) one_step_2d(const __nv_bfloat16* __restrict__ x,
+// The library's 2-D kernel with one-step scales (its blk null), at the library's CTAs
+// per SM (NVFP4_2D_MINB), as the store-order variants below.
+__global__ void __launch_bounds__(256, NVFP4_2D_MINB) one_step_2d(const __nv_bfloat16* __restrict__ x,
                                                                    const Nvfp4Args a) {
     nvfp4_both_impl<__nv_bfloat16, false, false, BothParts, TwoDTiles>(x, a, TwoDTiles{nullptr});
 }
 
 // The library's 2-D kernel (two-step scales into blk) built for 5 CTAs per SM instead of
-// NVFP4_BOTH_MINB's 4: 48 registers, and ptxas spills 44 bytes (14 local accesses
-// before the warp vote, 4 after it, sm_90, CUDA 13.0). The 2-D kernel's warps mostly wait
-// (BENCHMARKS, session 35); a fifth CTA gives each SM 40 warps to wait with instead of 32.
-// It took 0.2277 ms against 0.1825 at 16384x8192 on an H100 (BENCHMARKS, session 50).
+// the 4 it had then (NVFP4_2D_MINB, 3 since session 51): 48 registers, and ptxas spills
+// 44 bytes (14 local accesses before the warp vote, 4 after it, sm_90, CUDA 13.0). The
+// 2-D kernel's warps mostly wait (BENCHMARKS, session 35); a fifth CTA gives each SM 40
+// warps to wait with instead of 32. It took 0.2277 ms against 0.1825 at 16384x8192 on an
+// H100 (BENCHMARKS, session 50).
 __global__ void __launch_bounds__(256, 5) two_d_5_ctas(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a,
                                                        uint8_t* blk) {
     nvfp4_both_impl<__nv_bfloat16, false, false, BothParts, TwoDTiles>(x, a, TwoDTiles{blk});
@@ -96,7 +98,7 @@ template <int Order> struct OrderTiles {
     }
 };
 template <int Order>
-__global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) var2d(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
+__global__ void __launch_bounds__(256, NVFP4_2D_MINB) var2d(const __nv_bfloat16* __restrict__ x, const Nvfp4Args a) {
     nvfp4_both_impl<__nv_bfloat16, false, false, BothParts, OrderTiles<Order>>(x, a);
 }
 

@@ -1479,13 +1479,13 @@ NVFP4_CLUSTERS(f16, __half)
 // (2 KiB a tile), then tessera_nvfp4_scales_1d. (The harness's ScratchScales +
 // to_compact took 0.1689-0.1691 ms at 16384x8192 on an H100, against 0.1821-0.1825 for
 // the one-step flush and 0.1713 in clusters; BENCHMARKS.md, session 45.)
-#define NVFP4_BOTH_TILES(SUFFIX, T, NAME, TILES)                                                 \
-    extern "C" __global__ void __launch_bounds__(256, NVFP4_BOTH_MINB) tessera_nvfp4_both_##NAME##SUFFIX( \
+#define NVFP4_BOTH_TILES(SUFFIX, T, NAME, TILES, MINB)                                           \
+    extern "C" __global__ void __launch_bounds__(256, MINB) tessera_nvfp4_both_##NAME##SUFFIX( \
         const T* __restrict__ x, const Nvfp4Args a, uint8_t* buf) {                              \
         nvfp4_both_impl<T, false, false, BothParts, TILES>(x, a, TILES{buf});                    \
     }
-NVFP4_BOTH_TILES(bf16, __nv_bfloat16, s2_, ScratchTiles)
-NVFP4_BOTH_TILES(f16, __half, s2_, ScratchTiles)
+NVFP4_BOTH_TILES(bf16, __nv_bfloat16, s2_, ScratchTiles, NVFP4_BOTH_MINB)
+NVFP4_BOTH_TILES(f16, __half, s2_, ScratchTiles, NVFP4_BOTH_MINB)
 
 // CTAs per SM of the stochastic-rounding both kernels (80 registers; at 64 they spill).
 #ifndef NVFP4_RS_MINB
@@ -1518,8 +1518,19 @@ NVFP4_RS_ALL(f16, __half)
 // blk is the kernel's own parameter so that Nvfp4Args, and with it the 1-D kernels'
 // PTX, stay as they are: an 8-byte longer Nvfp4Args changed ptxas's schedule of the 1-D
 // both kernel (its barrier 95 instructions earlier) and cost it 2% on an H100.
-NVFP4_BOTH_TILES(bf16, __nv_bfloat16, 2d_, TwoDTiles)
-NVFP4_BOTH_TILES(f16, __half, 2d_, TwoDTiles)
+// CTAs per SM of the 2-D both kernels: 3 (80 registers, no stack). Their warps mostly
+// wait on one tile's load, compute and store, yet more registers a thread hide that
+// better than more CTAs: on an H100, 2-D both took 4.5-4.9% less time at 16384x8192
+// and 8192x8192 and 3.1% at 8192x4096 than at 4 CTAs (64 registers), the same at
+// 4096x4096 (one step), while 2-D rowwise alone (the same kernel) took 0.1-0.3% longer
+// at the two larger shapes, 1.1-1.7% at 8192x4096 and 2.9-3.3% at 4096x4096, where it
+// stays above 1.1 of its floor (BENCHMARKS.md, session 51); 5 CTAs (48 registers) were
+// 8-16% slower (session 50).
+#ifndef NVFP4_2D_MINB
+#define NVFP4_2D_MINB 3
+#endif
+NVFP4_BOTH_TILES(bf16, __nv_bfloat16, 2d_, TwoDTiles, NVFP4_2D_MINB)
+NVFP4_BOTH_TILES(f16, __half, 2d_, TwoDTiles, NVFP4_2D_MINB)
 
 // ---- dequantize -------------------------------------------------------------------------
 
