@@ -114,7 +114,7 @@ static void run_shape(u64 M, u64 K) {
         report_hashes(label, t, bytes, b.copy_gbs, b.outputs());
     };
     uint8_t* blk;
-    CK(cudaMalloc(&blk, n / 128 + M + K));  // BlockScratch: 128 bytes a tile, and more
+    CK(cudaMalloc(&blk, (M + 127) / 128 * ((K + 127) / 128) * 128));  // BlockScratch: 128 bytes a tile
     // The scales kernel with `copies` of a grid row's 16 a thread; the library's choice:
     // all 16.
     const u64 words = std::max(M / 16 * ((K / 16 + 3) / 4 * 4), K / 16 * ((M / 16 + 3) / 4 * 4)) / 4;
