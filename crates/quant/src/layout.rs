@@ -132,27 +132,34 @@ pub fn swap_first_dims_bytes(src: &[u8], d0: usize, d1: usize, inner: usize) -> 
     Ok(out)
 }
 
+/// `(R, C)` for `swap_first_dims` of a tensor of `shape` over `world` ranks (the host
+/// and the CUDA twin share it): R = the first dimension over `world`, C = the product
+/// of the trailing dims. An error when `shape` has rank 0 or its first dimension is not
+/// a multiple of a nonzero `world`.
+pub(crate) fn swap_first_dims_geometry(
+    op: &'static str,
+    shape: &Shape,
+    world: usize,
+) -> Result<(usize, usize)> {
+    let dims = shape.dims();
+    let Some(&d0) = dims.first() else {
+        return Err(Error::shape(op, "a rank-0 tensor has no first dimension"));
+    };
+    if world == 0 || d0 % world != 0 {
+        return Err(Error::shape(
+            op,
+            format!("first dimension {d0} of {shape} is not a multiple of the world size {world}"),
+        ));
+    }
+    Ok((d0 / world, dims[1..].iter().product()))
+}
+
 /// The all-gather fix-up of `distributed.py::_swap_first_dims(t, world)` on a host
 /// tensor: `t` of shape `[world·R, c...]` holds `world` rank blocks `[R, c...]`; the
 /// result is `[R, world·C]` (C = the product of the trailing dims), each row the
 /// concatenation of that row across ranks.
 pub fn swap_first_dims(t: &Tensor, world: usize) -> Result<Tensor> {
-    const OP: &str = "swap_first_dims";
-    let dims = t.shape().dims();
-    let Some(&d0) = dims.first() else {
-        return Err(Error::shape(OP, "a rank-0 tensor has no first dimension"));
-    };
-    if world == 0 || d0 % world != 0 {
-        return Err(Error::shape(
-            OP,
-            format!(
-                "first dimension {d0} of {} is not a multiple of the world size {world}",
-                t.shape()
-            ),
-        ));
-    }
-    let rows = d0 / world;
-    let trailing: usize = dims[1..].iter().product();
+    let (rows, trailing) = swap_first_dims_geometry("swap_first_dims", t.shape(), world)?;
     let inner = trailing * t.dtype().size_in_bytes();
     let bytes = swap_first_dims_bytes(t.as_bytes()?, world, rows, inner)?;
     Tensor::from_bytes(

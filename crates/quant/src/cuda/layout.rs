@@ -40,21 +40,7 @@ pub fn transpose_bytes(t: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {
 /// c...]` to `[R, world·C]`.
 pub fn swap_first_dims(t: &Tensor, world: usize) -> Result<Tensor> {
     const OP: &str = "cuda swap_first_dims";
-    let dims = t.shape().dims();
-    let d0 = *dims
-        .first()
-        .ok_or_else(|| Error::shape(OP, "a rank-0 tensor has no first dimension"))?;
-    if world == 0 || d0 % world != 0 {
-        return Err(Error::shape(
-            OP,
-            format!(
-                "first dimension {d0} of {} is not a multiple of the world size {world}",
-                t.shape()
-            ),
-        ));
-    }
-    let rows = d0 / world;
-    let trailing: usize = dims[1..].iter().product();
+    let (rows, trailing) = crate::layout::swap_first_dims_geometry(OP, t.shape(), world)?;
     let inner = (trailing * t.dtype().size_in_bytes()) as u64;
     let dev = device_of(t)?;
     let mut out = Tensor::empty(Shape::new([rows, world * trailing]), t.dtype(), t.device())?;
