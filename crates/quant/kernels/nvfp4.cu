@@ -1314,6 +1314,27 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a, cons
 // One CTA per 64x64 tile (ceil(m/64) x ceil(k/64) tiles, column-major; 256 threads). Rowwise: thread t
 // owns row t/4 and columns (t%4)*16 .. +16 (one 1x16 block). Columnwise: thread t owns
 // column t/4 and rows (t%4)*16 .. +16 of the tile (one block of the transposed operand).
+// One 1x16 block of the general kernel: its scale byte (returned) from its amax b and the
+// global amax A, and its 16 values v times the block's encode scale as E2M1 codes in
+// packed (to nearest, or stochastically with the Philox bytes of element `el` of the
+// stream at `offset`).
+__device__ __forceinline__ uint8_t encode_block16(const float* v, float b, float A, const Nvfp4Args& a, u64 offset,
+                                                  u64 el, uint32_t* packed) {
+    const float s_enc = global_encode_scale(A);
+    const float s_dec = __frcp_rn(s_enc);
+    const uint8_t e = block_scale(b, s_enc);
+    const float g = block_encode_scale(e, s_dec);
+    packed[0] = packed[1] = 0u;
+    const uint4 rnd = a.sr ? random16(a.seed, offset, el) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const float y = __fmul_rn(v[j], g);
+        const uint32_t code = a.sr ? e2m1_sr(y, sr_byte(rnd, j)) : e2m1(y);
+        packed[j / 8] |= code << (4 * (j % 8));
+    }
+    return e;
+}
+
 template <class T>
 __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
     __shared__ float tile[64][64 + 1];
@@ -1357,24 +1378,12 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
     }
     if (a.two_d) __syncthreads();
     if (a.q_row != nullptr && rvalid) {
-        const float A = a.amax_row[0];
-        const float s_enc = global_encode_scale(A);
-        const float s_dec = __frcp_rn(s_enc);
-        const float b = a.two_d ? tmax[r / 16][t % 4] : bamax;
-        const uint8_t e = block_scale(b, s_enc);
-        const float g = block_encode_scale(e, s_dec);
         const u64 row = m0 + r, col = k0 + c0;
-        uint32_t packed[2] = {0u, 0u};
-        const uint4 rnd = a.sr ? random16(a.seed, a.off_row, row * a.k + col) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            const float y = __fmul_rn(v[j], g);
-            const uint32_t code = a.sr ? e2m1_sr(y, sr_byte(rnd, j)) : e2m1(y);
-            packed[j / 8] |= code << (4 * (j % 8));
-        }
+        uint32_t packed[2];
+        const uint8_t e =
+            encode_block16(v, a.two_d ? tmax[r / 16][t % 4] : bamax, a.amax_row[0], a, a.off_row, row * a.k + col, packed);
         reinterpret_cast<uint2*>(a.q_row + row * (a.k / 2) + col / 2)[0] = make_uint2(packed[0], packed[1]);
-        const u64 j = col / 16;
-        a.s_row[scale_index(row, j, a.s_row_cols, a.swizzled)] = e;
+        a.s_row[scale_index(row, col / 16, a.s_row_cols, a.swizzled)] = e;
     }
     if (a.q_col == nullptr) return;
     // Columnwise view: column cc of the tile, rows 16*run .. +16.
@@ -1406,23 +1415,11 @@ __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
         }
     }
     if (!cvalid) return;
-    const float A = a.amax_col[0];
-    const float s_enc = global_encode_scale(A);
-    const float s_dec = __frcp_rn(s_enc);
-    const uint8_t e = block_scale(b, s_enc);
-    const float g = block_encode_scale(e, s_dec);
     const u64 kk = k0 + cc, mm = m0 + run * 16;
-    uint32_t packed[2] = {0u, 0u};
-    const uint4 rnd = a.sr ? random16(a.seed, a.off_col, kk * a.m + mm) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        const float y = __fmul_rn(w[i], g);
-        const uint32_t code = a.sr ? e2m1_sr(y, sr_byte(rnd, i)) : e2m1(y);
-        packed[i / 8] |= code << (4 * (i % 8));
-    }
+    uint32_t packed[2];
+    const uint8_t e = encode_block16(w, b, a.amax_col[0], a, a.off_col, kk * a.m + mm, packed);
     reinterpret_cast<uint2*>(a.q_col + kk * (a.m / 2) + mm / 2)[0] = make_uint2(packed[0], packed[1]);
-    const u64 j = mm / 16;
-    a.s_col[scale_index(kk, j, a.s_col_cols, a.swizzled)] = e;
+    a.s_col[scale_index(kk, mm / 16, a.s_col_cols, a.swizzled)] = e;
 }
 
 #define NVFP4(SUFFIX, T)                                                                        \
@@ -1522,15 +1519,21 @@ NVFP4_RS_ALL(f16, __half)
 // wait on one tile's load, compute and store, yet more registers a thread hide that
 // better than more CTAs: on an H100, 2-D both took 4.5-4.9% less time at 16384x8192
 // and 8192x8192 and 3.1% at 8192x4096 than at 4 CTAs (64 registers), the same at
-// 4096x4096 (one step), while 2-D rowwise alone (the same kernel) took 0.1-0.3% longer
-// at the two larger shapes, 1.1-1.7% at 8192x4096 and 2.9-3.3% at 4096x4096, where it
-// stays above 1.1 of its floor (BENCHMARKS.md, session 51); 5 CTAs (48 registers) were
-// 8-16% slower (session 50).
+// 4096x4096 (one step); 5 CTAs (48 registers) were 8-16% slower (session 50). 2-D
+// rowwise alone, which took 1.1-3.3% longer at 3 CTAs from 8192x4096 down, has its own
+// entry points below (BENCHMARKS.md, sessions 51 and 52).
 #ifndef NVFP4_2D_MINB
 #define NVFP4_2D_MINB 3
 #endif
 NVFP4_BOTH_TILES(bf16, __nv_bfloat16, 2d_, TwoDTiles, NVFP4_2D_MINB)
 NVFP4_BOTH_TILES(f16, __half, 2d_, TwoDTiles, NVFP4_2D_MINB)
+// The same kernels for 2-D rowwise alone (the columnwise operand null), at
+// NVFP4_BOTH_MINB (4) CTAs per SM: with half the stores a tile, 64 registers serve
+// rowwise best. On an H100 against the 3-CTA kernel: 1.6% less time at 8192x4096, 2.8%
+// at 4096x4096 (1.128 -> 1.164 of its floor), within 0.1% at the larger shapes
+// (session 52).
+NVFP4_BOTH_TILES(bf16, __nv_bfloat16, 2d_row_, TwoDTiles, NVFP4_BOTH_MINB)
+NVFP4_BOTH_TILES(f16, __half, 2d_row_, TwoDTiles, NVFP4_BOTH_MINB)
 
 // ---- dequantize -------------------------------------------------------------------------
 

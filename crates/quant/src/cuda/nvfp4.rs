@@ -444,13 +444,15 @@ pub(crate) fn quantize_into(
     let two_byte = x.dtype().size_in_bytes() == 2;
     let tile_kernel = match (two_d, rht, sr) {
         (false, false, false) => Some(""),
+        // 2-D rowwise alone: the same kernel built for more CTAs per SM.
+        (true, false, false) if two_byte && !usage.columnwise() => Some("2d_row_"),
         (true, false, false) if two_byte => Some("2d_"),
         (false, true, true) if two_byte => Some("rht_sr_"),
         (false, true, false) if two_byte => Some("rht_"),
         (false, false, true) if two_byte => Some("sr_"),
         _ => None,
     };
-    let tiles_2d = tile_kernel == Some("2d_");
+    let tiles_2d = two_d && tile_kernel.is_some();
     // 2-D blocks' compact scale grids in two steps when the columnwise grid is written
     // and the tensor is large (TWO_STEP_2D_MIN_VALUES; kernels/nvfp4.cu, BlockScratch and
     // tessera_nvfp4_scales_2d): the tile kernel stores its 64 block scales twice (row by
