@@ -220,6 +220,12 @@ impl Amaxes {
 /// scales went through the block grid and its transpose then; through 128 bytes a tile of
 /// scratch since, 0.7-1.6% faster on an H100 (session 50).
 const TWO_STEP_2D_MIN_VALUES: usize = 1 << 25;
+/// The fewest values that take two steps (as for [`TWO_STEP_2D_MIN_VALUES`]) on a device
+/// whose DRAM is slow for its SMs ([`slow_dram`]: an H100 SXM). With the tile kernel at 3
+/// CTAs per SM (session 51), two steps won 8.5% at 4096x4096 on an H100 (2-D both 0.978
+/// of its floor against 0.895, 143 rounds alternated, session 53) where they had lost
+/// 0.8-1% at 4 CTAs; the H200's last word (8% slower, session 40) predates both changes.
+const TWO_STEP_2D_SLOW_DRAM_MIN_VALUES: usize = 1 << 24;
 
 /// How [`Nvfp4Quantizer`](crate::Nvfp4Quantizer) launches its round-to-nearest 1-D
 /// kernel for 2-byte inputs without the RHT, with columnwise data and compact scales. A
@@ -285,7 +291,7 @@ pub fn nvfp4_launch() -> Nvfp4Launch {
 /// H100's crossover (between 2^25 and 2^26 values).
 const TWO_STEP_1D_MIN_VALUES: usize = 1 << 26;
 /// The most DRAM bytes per SM clock and SM of a device that [`Nvfp4Launch::Auto`] takes
-/// two steps on.
+/// two steps on (and 2-D blocks from [`TWO_STEP_2D_SLOW_DRAM_MIN_VALUES`]).
 const SLOW_DRAM_BYTES_PER_SM_CLOCK: f64 = 15.0;
 /// Tensors of at most this many rows (4 tile rows) keep the banded launch under
 /// [`Nvfp4Launch::Clusters`], their bands then as tall as the tensor; a cluster's band is
@@ -329,7 +335,7 @@ fn answer<K: Copy + Eq + std::hash::Hash>(
 }
 
 /// Whether `dev`'s DRAM is slow enough for its SMs that [`Nvfp4Launch::Auto`] takes two
-/// steps (at most [`SLOW_DRAM_BYTES_PER_SM_CLOCK`], from the driver's attributes; false
+/// steps, as 2-D blocks do from 2^24 values (at most [`SLOW_DRAM_BYTES_PER_SM_CLOCK`], from the driver's attributes; false
 /// where it reports a zero).
 fn slow_dram(dev: &CudaDevice) -> Result<bool> {
     static SLOW: Answers<usize> = OnceLock::new();
@@ -415,6 +421,15 @@ fn choose_both_launch(
     })
 }
 
+/// Whether the compact scale grids of an `[m, k]` tensor of 2-D blocks take two steps:
+/// from [`TWO_STEP_2D_MIN_VALUES`] values, and from [`TWO_STEP_2D_SLOW_DRAM_MIN_VALUES`]
+/// where the DRAM is slow (asked only between the two).
+fn two_step_2d(m: usize, k: usize, slow_dram: impl FnOnce() -> Result<bool>) -> Result<bool> {
+    let values = m * k;
+    Ok(values >= TWO_STEP_2D_MIN_VALUES
+        || (values >= TWO_STEP_2D_SLOW_DRAM_MIN_VALUES && slow_dram()?))
+}
+
 /// Quantizes `x` into `out` (NVFP4, its usage's buffers).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn quantize_into(
@@ -454,18 +469,19 @@ pub(crate) fn quantize_into(
     };
     let tiles_2d = two_d && tile_kernel.is_some();
     // 2-D blocks' compact scale grids in two steps when the columnwise grid is written
-    // and the tensor is large (TWO_STEP_2D_MIN_VALUES; kernels/nvfp4.cu, BlockScratch and
+    // and the tensor is large (two_step_2d; kernels/nvfp4.cu, BlockScratch and
     // tessera_nvfp4_scales_2d): the tile kernel stores its 64 block scales twice (row by
     // row, column by column) into 128 bytes of scratch a 128x128 tile, a second kernel
     // the grids' whole lines.
-    let two_step = m * k >= TWO_STEP_2D_MIN_VALUES;
-    let blk = match tiles_2d && usage.columnwise() && !swizzled && two_step {
-        true => {
-            let bytes = m.div_ceil(128) * k.div_ceil(128) * 128;
-            Some(Tensor::empty([bytes], DType::U8, x.device())?)
-        }
-        false => None,
-    };
+    let blk =
+        match tiles_2d && usage.columnwise() && !swizzled && two_step_2d(m, k, || slow_dram(&dev))?
+        {
+            true => {
+                let bytes = m.div_ceil(128) * k.div_ceil(128) * 128;
+                Some(Tensor::empty([bytes], DType::U8, x.device())?)
+            }
+            false => None,
+        };
     // The 1-D round-to-nearest kernel of 2-byte inputs with compact scales launches as
     // Nvfp4Launch says; in two steps (kernels/nvfp4.cu, flush_scratch and
     // tessera_nvfp4_scales_1d) with 2 KiB of scratch a 128x128 tile, then a kernel a
@@ -793,6 +809,26 @@ mod tests {
         // A driver error reaches the caller.
         let err = || Err(Error::shape("test", "driver says no"));
         assert!(choose_both_launch(L::Auto, 8192, 8192, err, no).is_err());
+    }
+
+    /// The 2-D rule: two steps from 2^25 values anywhere, from 2^24 on slow DRAM, the
+    /// device asked only between; a driver error is passed on.
+    #[test]
+    fn two_step_2d_by_shape_and_device() {
+        let yes = || Ok(true);
+        let no = || Ok(false);
+        let unasked = || -> Result<bool> { panic!("the device was asked") };
+        let two_step = |m, k, slow: &dyn Fn() -> Result<bool>| two_step_2d(m, k, slow).unwrap();
+        assert!(two_step(8192, 4096, &unasked));
+        assert!(two_step(16, 1 << 21, &unasked));
+        assert!(two_step(4096, 4096, &yes));
+        assert!(!two_step(4096, 4096, &no));
+        assert!(two_step(4096 + 16, 4096 + 16, &yes));
+        assert!(!two_step(4096, 4096 - 16, &unasked));
+        assert!(!two_step(16, 16, &unasked));
+        let err = || Err(Error::shape("test", "driver says no"));
+        assert!(two_step_2d(4096, 4096, err).is_err());
+        assert!(two_step_2d(8192, 4096, err).is_ok());
     }
 
     /// A whole sm_90 GPU holds clusters of 16 CTAs of the cluster-launched kernel (a MIG
