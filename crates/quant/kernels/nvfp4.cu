@@ -532,15 +532,22 @@ __device__ __forceinline__ void flush_both_scales(const BothScales& s, const Nvf
     }
 }
 
+// The number of the 128x128 tile at (R0, C0) of an [m, k] tensor, tiles numbered row by
+// row (rows of ceil(k / 128)): where the two-step scratches (flush_scratch's 2 KiB a
+// tile, BlockScratch's 128 bytes) keep a tile's scale bytes. A macro: as an inline
+// function the same expression moved ptxas's schedule of the 2-D kernels (8 more SASS
+// instructions in the f16 ones, seen with cuobjdump), which their measurements predate.
+#define TILE_NUMBER(R0, C0, k) (((R0) / 128) * (((k) + 127) / 128) + (C0) / 128)
+
 // Two-step compact scales: the tile's staged bytes, its rowwise stage (1 KiB) then its
-// columnwise one, into 2 KiB of `scratch` at the tile's index (tile rows of
-// ceil(k / 128) tiles), threads 0-127 one 16-byte vector each; whole lines, which
-// tessera_nvfp4_scales_1d then writes into the grids. A null grid's stage is skipped.
+// columnwise one, into 2 KiB of `scratch` at the tile's TILE_NUMBER, threads 0-127 one
+// 16-byte vector each; whole lines, which tessera_nvfp4_scales_1d then writes into the
+// grids. A null grid's stage is skipped.
 __device__ __forceinline__ void flush_scratch(const BothScales& s, const Nvfp4Args& a, u64 R0, u64 C0,
                                               uint8_t* scratch) {
     const int t = threadIdx.x;
     if (t >= 128 || (t < 64 ? a.q_row : a.q_col) == nullptr) return;
-    const u64 tile = (R0 / 128) * ((a.k + 127) / 128) + C0 / 128;
+    const u64 tile = TILE_NUMBER(R0, C0, a.k);
     // The stage is 8-byte aligned in shared memory (BothShared puts it after se[2]).
     const uint2* src = reinterpret_cast<const uint2*>(t < 64 ? &s.row[0][0] : &s.col[0][0]) + 2 * (t & 63);
     const uint2 lo = src[0], hi = src[1];
@@ -868,7 +875,7 @@ __device__ __forceinline__ void both_tile_2d(const BothTile<T>& d, const BothLan
     if (blk == nullptr) {
         stage_block_2d(sh.stage, l, (uint8_t)e);
     } else if ((l.cg & 1) == 0 && (l.g & 1) == 0) {
-        uint8_t* s = blk + ((R0 / 128) * ((a.k + 127) / 128) + C0 / 128) * 128;
+        uint8_t* s = blk + TILE_NUMBER(R0, C0, a.k) * 128;
         const int br = l.rt / 16, bc = l.ct / 16;
         s[BlockScratch::in_tile(false, br, bc)] = (uint8_t)e;
         s[BlockScratch::in_tile(true, bc, br)] = (uint8_t)e;
