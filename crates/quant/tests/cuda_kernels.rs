@@ -1298,11 +1298,11 @@ fn nvfp4_two_step_scales_match_the_cpu() {
 /// 2-D blocks' compact scales in two steps (the tile kernel's block scales into 128 bytes
 /// of scratch a tile, then `tessera_nvfp4_scales_2d`), which the quantizer takes from
 /// 2^25 values with columnwise data (from 2^24 where the DRAM is slow for the SMs, an
-/// H100's; these shapes take two steps on every card): ragged shapes both ways whose block-grid rows end
-/// one block into a word (513 and 129 blocks), so the second step masks a word's bytes
-/// past the row's end, in both 2-byte types, tame inputs (the fast path) and odd ones (a
-/// NaN, an infinity and a tiny run: three warps on the general path; `tame_input`), both
-/// orientations and columnwise alone.
+/// H100's; these shapes take two steps on every card): ragged shapes both ways whose
+/// block-grid rows end one block into a word (513 and 129 blocks), so the second step
+/// masks a word's bytes past the row's end, in both 2-byte types, tame inputs (the fast
+/// path) and odd ones (a NaN, an infinity and a tiny run: three warps on the general
+/// path; `tame_input`), both orientations and columnwise alone.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test-gpu"]
 fn nvfp4_2d_two_step_scales_match_the_cpu() {

@@ -335,8 +335,8 @@ fn answer<K: Copy + Eq + std::hash::Hash>(
 }
 
 /// Whether `dev`'s DRAM is slow enough for its SMs that [`Nvfp4Launch::Auto`] takes two
-/// steps, as 2-D blocks do from 2^24 values (at most [`SLOW_DRAM_BYTES_PER_SM_CLOCK`], from the driver's attributes; false
-/// where it reports a zero).
+/// steps, as 2-D blocks do from 2^24 values (at most [`SLOW_DRAM_BYTES_PER_SM_CLOCK`],
+/// from the driver's attributes; false where it reports a zero).
 fn slow_dram(dev: &CudaDevice) -> Result<bool> {
     static SLOW: Answers<usize> = OnceLock::new();
     answer(&SLOW, dev.ordinal(), || {
@@ -473,15 +473,15 @@ pub(crate) fn quantize_into(
     // tessera_nvfp4_scales_2d): the tile kernel stores its 64 block scales twice (row by
     // row, column by column) into 128 bytes of scratch a 128x128 tile, a second kernel
     // the grids' whole lines.
-    let blk =
-        match tiles_2d && usage.columnwise() && !swizzled && two_step_2d(m, k, || slow_dram(&dev))?
-        {
-            true => {
-                let bytes = m.div_ceil(128) * k.div_ceil(128) * 128;
-                Some(Tensor::empty([bytes], DType::U8, x.device())?)
-            }
-            false => None,
-        };
+    let two_step =
+        tiles_2d && usage.columnwise() && !swizzled && two_step_2d(m, k, || slow_dram(&dev))?;
+    let blk = match two_step {
+        true => {
+            let bytes = m.div_ceil(128) * k.div_ceil(128) * 128;
+            Some(Tensor::empty([bytes], DType::U8, x.device())?)
+        }
+        false => None,
+    };
     // The 1-D round-to-nearest kernel of 2-byte inputs with compact scales launches as
     // Nvfp4Launch says; in two steps (kernels/nvfp4.cu, flush_scratch and
     // tessera_nvfp4_scales_1d) with 2 KiB of scratch a 128x128 tile, then a kernel a
