@@ -20,6 +20,10 @@
 //! tensors): each tile's scale bytes into a scratch, whole lines, then a second kernel
 //! the grids' rows, instead of 8-byte pieces of 16 CTAs in every line. A launch in thread
 //! block clusters, which runs the CTAs sharing a line together, can be chosen instead.
+//! With 2-D (16x16) blocks and columnwise data the tile kernel takes two steps from 2^25
+//! values on every card and from 2^24 on those cards: each tile's 64 block scale bytes
+//! twice (row by row, column by column) into 128 bytes of scratch, then
+//! `tessera_nvfp4_scales_2d` writes both grids' whole lines.
 //!
 //! Dequantizers are one launch each, sized to their work rather than striding: a thread
 //! per two 16-byte units of output for data in the output's order
