@@ -1318,9 +1318,6 @@ __device__ void nvfp4_both_impl(const T* __restrict__ x, const Nvfp4Args a, cons
 
 // ---- every option: 2-D tiles, the RHT, stochastic rounding ------------------------------
 
-// One CTA per 64x64 tile (ceil(m/64) x ceil(k/64) tiles, column-major; 256 threads). Rowwise: thread t
-// owns row t/4 and columns (t%4)*16 .. +16 (one 1x16 block). Columnwise: thread t owns
-// column t/4 and rows (t%4)*16 .. +16 of the tile (one block of the transposed operand).
 // One 1x16 block of the general kernel: its scale byte (returned) from its amax b and the
 // global amax A, and its 16 values v times the block's encode scale as E2M1 codes in
 // packed (to nearest, or stochastically with the Philox bytes of element `el` of the
@@ -1342,6 +1339,9 @@ __device__ __forceinline__ uint8_t encode_block16(const float* v, float b, float
     return e;
 }
 
+// One CTA per 64x64 tile (ceil(m/64) x ceil(k/64) tiles, column-major; 256 threads). Rowwise: thread t
+// owns row t/4 and columns (t%4)*16 .. +16 (one 1x16 block). Columnwise: thread t owns
+// column t/4 and rows (t%4)*16 .. +16 of the tile (one block of the transposed operand).
 template <class T>
 __device__ void nvfp4_impl(const T* __restrict__ x, const Nvfp4Args a) {
     __shared__ float tile[64][64 + 1];
