@@ -99,7 +99,8 @@ fail=0
 
 /// Builds the GPU benchmark binaries into `dir/bin`, copies the PyTorch anchor script
 /// when `../shared/bench/torch_anchor.py` exists and `bench/alternate.sh` (runs the
-/// binaries of several builds in turn), and writes `dir/run-bench.sh OUTDIR`.
+/// binaries of several builds in turn), and writes `dir/run-bench.sh OUTDIR`, which runs
+/// every binary and then the anchor script.
 pub(crate) fn benches(root: &Path, dir: &Path) -> Result<()> {
     let mut bins = Vec::new();
     for (package, bench) in GPU_BENCHES {
@@ -131,6 +132,7 @@ pub(crate) fn benches(root: &Path, dir: &Path) -> Result<()> {
     for n in &names {
         writeln!(script, "./bin/{n} --json \"$out/{n}.json\" || fail=1")?;
     }
+    script.push_str(RUN_ANCHOR);
     script.push_str("exit $fail\n");
     write_script(&dir.join("run-bench.sh"), &script)?;
     println!(
@@ -140,6 +142,18 @@ pub(crate) fn benches(root: &Path, dir: &Path) -> Result<()> {
     );
     Ok(())
 }
+
+/// The tail of `run-bench.sh` that measures the PyTorch peers (the issue asks for them
+/// in the same device call as the kernels) where the bundle carries the anchor script,
+/// and says so on stderr where it cannot: no script bundled, or no python3 with torch.
+const RUN_ANCHOR: &str = r#"if [ ! -f torch_anchor.py ]; then
+  echo "run-bench.sh: PyTorch peers not measured: no torch_anchor.py in the bundle" >&2
+elif ! python3 -c 'import torch' 2>/dev/null; then
+  echo "run-bench.sh: PyTorch peers not measured: python3 cannot import torch" >&2
+else
+  python3 torch_anchor.py --json "$out/torch_anchor.json" || fail=1
+fi
+"#;
 
 /// Copies `src` to `dest`, replacing a previous copy even where it is read-only (as the
 /// shared anchor script is, and so its copy in an earlier bundle).
@@ -286,6 +300,62 @@ mod tests {
         ] {
             assert_eq!(run(bad).status.code(), Some(2), "{bad:?}");
         }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// `run-bench.sh`'s anchor step with a fake `python3` first on PATH: the peers
+    /// measured into `OUT/torch_anchor.json` where torch imports, a line on stderr and
+    /// no failure where it does not or the script is missing, a failing script failing
+    /// the run.
+    #[test]
+    fn run_bench_measures_the_peers_or_says_why_not() {
+        let dir = std::env::temp_dir().join(format!("tessera-anchor-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("shim")).unwrap();
+        let script = dir.join("run.sh");
+        write_script(
+            &script,
+            &format!("#!/usr/bin/env bash\ncd \"$(dirname \"$0\")\"\nout=o\nfail=0\n{RUN_ANCHOR}exit $fail\n"),
+        )
+        .unwrap();
+        // `python3 -c ...` exits with $TORCH; `python3 SCRIPT --json F` runs SCRIPT's
+        // shell body with F.
+        write_script(
+            &dir.join("shim/python3"),
+            "#!/usr/bin/env bash\nif [ \"$1\" = -c ]; then exit \"$TORCH\"; fi\nbash \"$1\" \"$3\"\n",
+        )
+        .unwrap();
+        let path = format!(
+            "{}:{}",
+            dir.join("shim").display(),
+            std::env::var("PATH").unwrap()
+        );
+        let run = |torch: &str| {
+            Command::new("bash")
+                .arg(&script)
+                .env("PATH", &path)
+                .env("TORCH", torch)
+                .output()
+                .unwrap()
+        };
+        let stderr = |o: &std::process::Output| String::from_utf8_lossy(&o.stderr).into_owned();
+        let out = run("0");
+        assert!(out.status.success(), "{out:?}");
+        assert!(stderr(&out).contains("no torch_anchor.py"), "{out:?}");
+        std::fs::create_dir_all(dir.join("o")).unwrap();
+        std::fs::write(dir.join("torch_anchor.py"), "echo peers > \"$1\"\n").unwrap();
+        let out = run("1");
+        assert!(out.status.success(), "{out:?}");
+        assert!(stderr(&out).contains("cannot import torch"), "{out:?}");
+        assert!(!dir.join("o/torch_anchor.json").exists());
+        let out = run("0");
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(
+            std::fs::read_to_string(dir.join("o/torch_anchor.json")).unwrap(),
+            "peers\n"
+        );
+        std::fs::write(dir.join("torch_anchor.py"), "exit 4\n").unwrap();
+        assert!(!run("0").status.success());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -5,7 +5,8 @@
 //!   ptxas into its sm_90 cubin (`*.sm_90.cubin`, with the PTX's hash beside it).
 //! - `test-gpu`: run the GPU tests (the `#[ignore]`d ones), or with `--bundle DIR` build
 //!   them into a directory that runs on a GPU machine without cargo.
-//! - `bench-gpu`: run the GPU benchmarks (table + JSON), or bundle them likewise.
+//! - `bench-gpu`: run the GPU benchmarks (table + JSON) and the PyTorch peers
+//!   (`../shared/bench/torch_anchor.py`, where python3 has torch), or bundle them likewise.
 //! - `bench-compare`: two builds' benchmark JSON side by side, as a Markdown table.
 //! - `bench-merge`: one build's benchmark runs in one file of many runs.
 //! - `ci`: what `.ci/run` runs.
@@ -56,9 +57,12 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         gpus: u32,
     },
-    /// Run the GPU benchmarks: a table on stdout and JSON per crate.
+    /// Run the GPU benchmarks: a table on stdout and JSON per crate; then the PyTorch
+    /// peers (`../shared/bench/torch_anchor.py`) into `torch_anchor.json` where python3
+    /// imports torch (a line on stderr says when they were not measured).
     BenchGpu {
-        /// Instead of running, build the benchmark binaries and a `run-bench.sh` into DIR.
+        /// Instead of running, build the benchmark binaries, the anchor script and a
+        /// `run-bench.sh` (which runs them all) into DIR.
         #[arg(long, value_name = "DIR")]
         bundle: Option<PathBuf>,
         /// Directory for the JSON results.
@@ -138,7 +142,7 @@ fn main() -> Result<()> {
                 .arg(&json);
                 run(c)?;
             }
-            Ok(())
+            anchor(&root, &json_dir)
         }
         Cmd::BenchCompare {
             base,
@@ -166,6 +170,33 @@ fn cargo(root: &Path) -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     c.current_dir(root);
     c
+}
+
+/// Measures the PyTorch peers with `../shared/bench/torch_anchor.py` into
+/// `json_dir/torch_anchor.json`, or says on stderr why not (no script, or no python3
+/// that imports torch): the benchmarks' ratios stand without them.
+fn anchor(root: &Path, json_dir: &Path) -> Result<()> {
+    let script = root.join("../shared/bench/torch_anchor.py");
+    if !script.is_file() {
+        eprintln!(
+            "bench-gpu: PyTorch peers not measured: {} not found",
+            script.display()
+        );
+        return Ok(());
+    }
+    let has_torch = Command::new("python3")
+        .args(["-c", "import torch"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_torch {
+        eprintln!("bench-gpu: PyTorch peers not measured: python3 cannot import torch");
+        return Ok(());
+    }
+    let mut c = Command::new("python3");
+    c.arg(&script)
+        .arg("--json")
+        .arg(json_dir.join("torch_anchor.json"));
+    run(c)
 }
 
 fn run(mut c: Command) -> Result<()> {
