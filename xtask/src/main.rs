@@ -124,6 +124,8 @@ fn main() -> Result<()> {
             bundle: None,
             json_dir,
         } => {
+            // Absolute: cargo runs each bench binary in its package's directory.
+            let json_dir = std::path::absolute(&json_dir)?;
             std::fs::create_dir_all(&json_dir)?;
             for (package, bench) in bundle::GPU_BENCHES {
                 let json = json_dir.join(format!("{package}.json"));
