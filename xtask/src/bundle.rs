@@ -100,9 +100,9 @@ fail=0
 /// Builds the GPU benchmark binaries into `dir/bin`, copies the PyTorch anchor script
 /// when `../shared/bench/torch_anchor.py` exists and `bench/alternate.sh` (runs the
 /// binaries of several builds in turn), and writes `dir/run-bench.sh OUTDIR`, which runs
-/// every binary and then the anchor script.
+/// every binary (JSON into `OUTDIR/PACKAGE.json`) and then the anchor script.
 pub(crate) fn benches(root: &Path, dir: &Path) -> Result<()> {
-    let mut bins = Vec::new();
+    let mut runs = Vec::new(); // (package, executable)
     for (package, bench) in GPU_BENCHES {
         let mut c = cargo_json(root);
         c.args([
@@ -115,11 +115,13 @@ pub(crate) fn benches(root: &Path, dir: &Path) -> Result<()> {
             "cuda",
             "--no-run",
         ]);
-        bins.extend(build(c, |msg| {
+        let exes = build(c, |msg| {
             msg["target"]["name"] == *bench && msg["target"]["kind"][0] == "bench"
-        })?);
+        })?;
+        runs.extend(exes.into_iter().map(|exe| (*package, exe)));
     }
-    let names = install(&bins, &dir.join("bin"))?;
+    let exes: Vec<PathBuf> = runs.iter().map(|(_, exe)| exe.clone()).collect();
+    let names = install(&exes, &dir.join("bin"))?;
     let anchor = root.join("../shared/bench/torch_anchor.py");
     if anchor.is_file() {
         copy_over(&anchor, &dir.join("torch_anchor.py"))?;
@@ -129,8 +131,9 @@ pub(crate) fn benches(root: &Path, dir: &Path) -> Result<()> {
         "#!/usr/bin/env bash\n# Runs every bundled GPU benchmark; JSON goes to $1 (default .).\n\
          cd \"$(dirname \"$0\")\"\nout=${1:-.}\nmkdir -p \"$out\"\nfail=0\n",
     );
-    for n in &names {
-        writeln!(script, "./bin/{n} --json \"$out/{n}.json\" || fail=1")?;
+    for (package, exe) in &runs {
+        let n = file_name(exe)?;
+        writeln!(script, "./bin/{n} --json \"$out/{package}.json\" || fail=1")?;
     }
     script.push_str(RUN_ANCHOR);
     script.push_str("exit $fail\n");
@@ -217,17 +220,22 @@ fn install(exes: &[PathBuf], bin: &Path) -> Result<Vec<String>> {
     std::fs::create_dir_all(bin)?;
     let mut names = Vec::new();
     for exe in exes {
-        let name = exe
-            .file_name()
-            .context("executable without a file name")?
-            .to_string_lossy()
-            .into_owned();
+        let name = file_name(exe)?;
         std::fs::copy(exe, bin.join(&name))?;
         names.push(name);
     }
     names.sort();
     names.dedup();
     Ok(names)
+}
+
+/// An executable's file name, as `install` copies it into `bin`.
+fn file_name(exe: &Path) -> Result<String> {
+    Ok(exe
+        .file_name()
+        .context("executable without a file name")?
+        .to_string_lossy()
+        .into_owned())
 }
 
 fn write_script(path: &Path, body: &str) -> Result<()> {

@@ -124,27 +124,13 @@ fn main() -> Result<()> {
             bundle: None,
             json_dir,
         } => {
-            // Absolute: cargo runs each bench binary in its package's directory.
-            let json_dir = std::path::absolute(&json_dir)?;
-            std::fs::create_dir_all(&json_dir)?;
-            for (package, bench) in bundle::GPU_BENCHES {
-                let json = json_dir.join(format!("{package}.json"));
-                let mut c = cargo(&root);
-                c.args([
-                    "bench",
-                    "--package",
-                    package,
-                    "--bench",
-                    bench,
-                    "--features",
-                    "cuda",
-                ])
-                .arg("--")
-                .arg("--json")
-                .arg(&json);
-                run(c)?;
-            }
-            anchor(&root, &json_dir)
+            // As for the tests: build the bundle, run its script (which changes into the
+            // bundle's directory, so the JSON directory goes to it absolute).
+            let dir = root.join("target/gpu-bench");
+            bundle::benches(&root, &dir)?;
+            let mut c = Command::new(dir.join("run-bench.sh"));
+            c.arg(std::path::absolute(&json_dir)?);
+            run(c)
         }
         Cmd::BenchCompare {
             base,
@@ -166,39 +152,6 @@ fn workspace_root() -> PathBuf {
         .parent()
         .expect("xtask lives one level below the workspace root")
         .to_path_buf()
-}
-
-fn cargo(root: &Path) -> Command {
-    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    c.current_dir(root);
-    c
-}
-
-/// Measures the PyTorch peers with `../shared/bench/torch_anchor.py` into
-/// `json_dir/torch_anchor.json`, or says on stderr why not (no script, or no python3
-/// that imports torch): the benchmarks' ratios stand without them.
-fn anchor(root: &Path, json_dir: &Path) -> Result<()> {
-    let script = root.join("../shared/bench/torch_anchor.py");
-    if !script.is_file() {
-        eprintln!(
-            "bench-gpu: PyTorch peers not measured: {} not found",
-            script.display()
-        );
-        return Ok(());
-    }
-    let has_torch = Command::new("python3")
-        .args(["-c", "import torch"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_torch {
-        eprintln!("bench-gpu: PyTorch peers not measured: python3 cannot import torch");
-        return Ok(());
-    }
-    let mut c = Command::new("python3");
-    c.arg(&script)
-        .arg("--json")
-        .arg(json_dir.join("torch_anchor.json"));
-    run(c)
 }
 
 fn run(mut c: Command) -> Result<()> {
